@@ -1,0 +1,246 @@
+"""A small decoder-only transformer in the Llama style: the one model every notebook and lab uses.
+
+    tokens ─ embed ─┬─ Block ─ ... ─ Block ─ norm ─ head ─ logits
+                    Block(x):  x = x + attn(attn_norm(x))       (pre-norm residual blocks)
+                               x = x + mlp(mlp_norm(x))
+
+    RMSNorm(x)   = weight * x / sqrt(mean(x²) + eps)
+    attention    = softmax(q kᵀ / sqrt(head_dim) + causal mask) v, with rotary positions on q and k;
+                   grouped-query: num_heads query heads share num_kv_heads key/value heads
+    MLP (SwiGLU) = down_proj(silu(gate_proj(x)) * up_proj(x))
+
+The model knows nothing of parallelism. Later modules split it by these exact names:
+`embed`, `layers[i]`, `norm`, `head`; inside a block `attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`.
+Attention reads its number of heads from the tensors, not from the config, so a tensor-parallel rank
+whose projections hold only some of the heads runs the same forward. A pipeline stage can keep a slice
+of `layers` and replace `embed`, `norm` or `head` with `nn.Identity()`.
+
+Parameter count (P = `param_count_formula`, d = hidden, h = head_dim, L = num_layers):
+    P = V·d (embed) + L·[d·(n_heads + 2·n_kv)·h + n_heads·h·d  (q, k, v, o)
+                         + 3·d·intermediate                     (gate, up, down)
+                         + 2·d]                                 (two norms)
+        + d (final norm) + V·d (head, 0 when tied to embed)
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(kw_only=True)   # keywords only: ModelConfig(hidden=64, ...) reads better than 7 bare numbers
+class ModelConfig:
+    vocab_size: int
+    hidden: int               # model width d: the size of every token's vector in the residual stream
+    num_layers: int
+    num_heads: int            # query heads
+    num_kv_heads: int | None = None   # key/value heads (grouped-query attention); None means num_heads
+    intermediate: int         # width of the SwiGLU hidden layer
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False      # head.weight is embed.weight
+    attn_bias: bool = False           # q/k/v biases, only so Qwen2 can be counted exactly
+
+    def __post_init__(self):
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.hidden % self.num_heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
+                             "each head gets an equal slice of the model width")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}: "
+                             "each key/value head must serve a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = hidden/num_heads = {self.hidden}/{self.num_heads} = {self.head_dim} "
+                             "is odd: rotary embeddings rotate channels in pairs")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must both be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def apply_rope(x, theta: float):
+    """Rotary position embedding of x[batch, seq, heads, head_dim].
+
+    Channel pair (i, i + head_dim/2) at position p is rotated by the angle p·θ^(-2i/head_dim), so the
+    dot product q·k depends only on the distance between the two positions. The angles are computed
+    here from the positions (no buffer, no parameter): cheap, and it works on the meta device.
+    """
+    seq, head_dim = x.shape[1], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freqs)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]   # [seq, 1, head_dim/2]: same for all heads
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim, self.rope_theta = config.head_dim, config.rope_theta
+        q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden, q_width, bias=config.attn_bias)
+        self.k_proj = nn.Linear(config.hidden, kv_width, bias=config.attn_bias)
+        self.v_proj = nn.Linear(config.hidden, kv_width, bias=config.attn_bias)
+        self.o_proj = nn.Linear(q_width, config.hidden, bias=False)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        # -1, not config.num_heads: under tensor parallelism this rank holds only some of the heads.
+        q = apply_rope(self.q_proj(x).view(batch, seq, -1, self.head_dim), self.rope_theta)
+        k = apply_rope(self.k_proj(x).view(batch, seq, -1, self.head_dim), self.rope_theta)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        # Grouped-query attention: query heads [g·i, g·(i+1)) all read key/value head i.
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)               # [batch, heads, seq, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden, config.intermediate, bias=False)
+        self.up_proj = nn.Linear(config.hidden, config.intermediate, bias=False)
+        self.down_proj = nn.Linear(config.intermediate, config.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        """tokens: LongTensor[batch, seq] -> logits[batch, seq, vocab_size]."""
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}")
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(logits, targets):
+    """Mean cross entropy over every token of the batch. In float32: bf16 logits lose the small
+    probabilities that the log-softmax needs."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build(config: ModelConfig, seed: int = 0, device=None, dtype=None) -> GPT:
+    """A GPT whose parameters depend only on `seed` (not on the global RNG, which is left untouched).
+
+    Init: normal(0, 0.02) for embeddings and linears; the two projections that write into the residual
+    stream (o_proj, down_proj) get 0.02/sqrt(2·num_layers), so the stream's variance does not grow with
+    depth (as GPT-2); biases 0, norm weights 1. Parameters are drawn on the CPU in float32 and then moved,
+    so every device and dtype starts from the same numbers. device="meta" allocates nothing.
+    """
+    # On meta, torch's default init runs on no data and draws nothing from the global RNG.
+    with torch.device("meta"):
+        model = GPT(config)
+    if device is None or torch.device(device).type != "meta":
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+        with torch.no_grad():
+            for name, param in model.named_parameters():   # a tied weight is listed (and drawn) once
+                if "norm" in name:
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.normal_(0.0, residual_std, generator=generator)
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+    model.to(device=device, dtype=dtype)
+    if config.tie_embeddings:   # to_empty gives each module its own new tensor: tie them again
+        model.head.weight = model.embed.weight
+    return model
+
+
+PRESETS = {
+    # Small enough for a laptop CPU; heads (8), kv heads (4) and intermediate (128) divide by TP = 2 and 4,
+    # and the 4 layers split evenly over 2 or 4 pipeline stages.
+    "tiny": ModelConfig(vocab_size=128, hidden=64, num_layers=4, num_heads=8, num_kv_heads=4,
+                        intermediate=128, max_seq_len=64),
+    # The published configurations (Hugging Face config.json of each model).
+    "llama2-7b": ModelConfig(vocab_size=32000, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                             intermediate=11008, max_seq_len=4096),
+    "llama2-70b": ModelConfig(vocab_size=32000, hidden=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              intermediate=28672, max_seq_len=4096),
+    "qwen2-7b": ModelConfig(vocab_size=152064, hidden=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                            intermediate=18944, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6,
+                            attn_bias=True),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A fresh copy of a named config, e.g. preset("tiny", num_layers=12)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def count_params(config: ModelConfig) -> int:
+    """Exact parameter count, from a model built on the meta device (shapes only, no memory).
+    parameters() lists a tied weight once, so it is counted once."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_count_formula(config: ModelConfig) -> int:
+    """The same count in closed form (see the module docstring); tested equal to count_params."""
+    d, h = config.hidden, config.head_dim
+    q_width, kv_width = config.num_heads * h, config.num_kv_heads * h
+    attention = d * q_width + 2 * d * kv_width + q_width * d          # q, k, v, o weights
+    if config.attn_bias:
+        attention += q_width + 2 * kv_width                           # q, k, v biases
+    mlp = 3 * d * config.intermediate                                 # gate, up, down
+    norms = 2 * d                                                     # attn_norm, mlp_norm
+    embed = config.vocab_size * d
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    return embed + config.num_layers * (attention + mlp + norms) + d + head

@@ -1,0 +1,290 @@
+"""The launcher: results, output, errors that name the rank, timeouts, and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def workers_left() -> list[psutil.Process]:
+    """Descendants of this process, except multiprocessing's forkserver and resource tracker (kept up)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and not any(name in " ".join(p.cmdline()) for name in ("forkserver", "resource_tracker"))]
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    yield
+    deadline = time.monotonic() + 3
+    while workers_left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers_left() == [], "worker processes were left behind"
+
+
+def rank_sum(rank, world_size, offset=0):
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return rank, world_size, t.item()
+
+
+def test_results_come_back_in_rank_order_after_a_real_all_reduce():
+    results = launch(rank_sum, 4, offset=10)
+    assert results == [(r, 4, 0 + 1 + 2 + 3 + 4 * 10) for r in range(4)]
+
+
+def test_functions_are_shipped_by_value_closures_and_lambdas_too():
+    secret = torch.arange(3.0)  # captured by the closure: travels with it
+
+    def scaled(rank, world_size):
+        return (secret * rank).tolist()
+
+    assert launch(scaled, 2) == [[0.0, 0.0, 0.0], [0.0, 1.0, 2.0]]
+    assert launch(lambda rank, world_size: rank * world_size, 3) == [0, 3, 6]
+
+
+def test_each_rank_gets_a_fair_share_of_threads_and_its_device():
+    cores = len(os.sched_getaffinity(0))
+    results = launch(lambda rank, world_size: (torch.get_num_threads(), str(device()), dist.get_backend()), 2)
+    assert results == [(max(1, cores // 2), "cpu", "gloo")] * 2
+
+
+def test_each_rank_output_is_shown_with_its_rank(capsys):
+    def talk(rank, world_size):
+        print(f"hello from {rank}")
+        print("to stderr", file=sys.stderr)
+        os.write(1, b"raw fd write\n")  # C-level output is relayed too
+
+    launch(talk, 2)
+    out, err = capsys.readouterr()
+    for r in range(2):
+        assert f"[rank {r}] hello from {r}\n" in out
+        assert f"[rank {r}] raw fd write\n" in out
+        assert f"[rank {r}] to stderr\n" in err
+
+
+def test_a_failing_rank_is_named_with_its_traceback_while_peers_wait_in_a_collective():
+    def fail_on_two(rank, world_size):
+        if rank == 2:
+            raise ValueError("rank two is unhappy")
+        dist.all_reduce(torch.ones(1))  # the others block here until rank 2's failure reaches them
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(fail_on_two, 4)
+    assert time.monotonic() - start < 5, "a crash must surface in seconds, not after a collective's timeout"
+    err = info.value
+    assert err.rank == 2
+    assert "ValueError: rank two is unhappy" in str(err)
+    assert 'raise ValueError("rank two is unhappy")' in err.remote_traceback  # the source line itself
+    assert "fail_on_two" in err.remote_traceback
+    assert "course_lib/launch.py" not in err.remote_traceback  # only the learner's frames
+
+
+def test_a_rank_that_dies_without_a_word_is_named_with_its_exit():
+    def die(rank, world_size):
+        if rank == 1:
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(RankError, match=r"rank 1: the process died \(exit code 3\)") as info:
+        launch(die, 2)
+    assert info.value.rank == 1
+
+    def killed(rank, world_size):
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+
+    with pytest.raises(RankError, match="SIGKILL") as info:
+        launch(killed, 2)
+    assert info.value.rank == 0
+
+
+def test_a_hung_rank_is_stopped_by_the_timeout_with_where_it_was():
+    def skip_collective_on_one(rank, world_size):
+        if rank != 1:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins: ranks 0 and 2 wait forever
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        launch(skip_collective_on_one, 3, timeout=1.5)
+    assert time.monotonic() - start < 5
+    assert info.value.ranks == [0, 2]
+    assert "ranks [0, 2] did not finish within 1.5 s" in str(info.value)
+    for r in (0, 2):
+        assert "in all_reduce" in info.value.stacks[r] and "skip_collective_on_one" in info.value.stacks[r]
+
+
+def test_launch_works_again_after_failures():
+    with pytest.raises(RankError):
+        launch(lambda rank, world_size: 1 / 0, 2)
+    assert launch(rank_sum, 2) == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+def test_an_unpicklable_result_is_an_error_naming_the_rank():
+    import threading
+
+    with pytest.raises(RankError, match="rank 0") as info:
+        launch(lambda rank, world_size: threading.Lock() if rank == 0 else 1, 2)
+    assert "pickle" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "4", True])
+def test_bad_world_size_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=f"world_size={bad!r}"):
+        launch(rank_sum, bad)
+
+
+def test_bad_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        launch(rank_sum, 2, backend="mpi")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: 64 ranks"):
+            launch(rank_sum, 64, backend="nccl")
+
+
+def test_a_worker_group_runs_task_after_task_and_keeps_state_on_request():
+    def remember(rank, world_size):
+        # Functions arrive by value with fresh globals each time; the process (its environment) persists.
+        os.environ["COUNTER"] = str(int(os.environ.get("COUNTER", "0")) + 1)
+        return int(os.environ["COUNTER"])
+
+    with WorkerGroup(2, exit_after_error=False) as group:
+        assert group.run(remember) == [1, 1]
+        assert group.run(remember) == [2, 2]
+        assert group.run(remember, ranks=[1]) == [3]
+        with pytest.raises(RankError):
+            group.run(lambda rank, world_size: 1 / 0, ranks=[0])
+        assert group.alive() == [True, True]  # the failing rank kept its state
+        assert group.run(remember) == [3, 4]
+
+
+# ---------------------------------------------------------------------------- torchrun and Jupyter
+
+SCRIPT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from course_lib import launch
+
+    def fn(rank, world_size, scale):
+        t = torch.tensor([float(rank)]) * scale
+        dist.all_reduce(t)
+        return os.getpid(), t.item()
+
+    if __name__ == "__main__":
+        results = launch(fn, int(os.environ.get("WORLD_SIZE", 2)), scale=10)
+        pids = {pid for pid, _ in results}
+        print(f"rank {os.environ.get('RANK', 'notebook')}: sums={[s for _, s in results]} processes={len(pids)}")
+""")
+
+
+def test_the_same_script_runs_under_torchrun_and_on_its_own(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for r in range(2):  # under torchrun each process is a rank and gets every rank's result
+        assert f"rank {r}: sums=[10.0, 10.0] processes=2" in out.stdout
+    alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    assert "rank notebook: sums=[10.0, 10.0] processes=2" in alone.stdout
+
+
+def test_torchrun_with_a_different_world_size_is_refused(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.replace('int(os.environ.get("WORLD_SIZE", 2))', "4"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0
+    assert "launch(world_size=4) but torchrun started WORLD_SIZE=2" in out.stderr
+
+
+@pytest.fixture
+def kernel():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO))
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=True)
+
+
+def run_cell(kc, code, timeout=60, msg_id=None):
+    """Execute code in the kernel (or follow the cell ``msg_id``) until idle; return (stdout, error name)."""
+    msg_id = msg_id or kc.execute(code)
+    text, ename = [], None
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            text.append(content["text"])
+        elif kind == "error":
+            ename = content["ename"]
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    return "".join(text), ename
+
+
+def wait_for_pids(kc, msg_id, count, timeout=30):
+    pids, deadline = set(), time.monotonic() + timeout
+    while len(pids) < count and time.monotonic() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id:
+            pids |= {int(w) for w in msg["content"]["text"].split() if w.isdigit() and int(w) > 100}
+    return pids
+
+
+SLEEPER = """
+import os, time
+from course_lib import launch
+def sleeper(rank, world_size):
+    print(os.getpid(), flush=True)
+    time.sleep(600)
+launch(sleeper, 3)
+"""
+
+
+def test_jupyter_stop_button_stops_every_rank_and_the_kernel_stays_usable(kernel):
+    km, kc = kernel
+    msg_id = kc.execute(SLEEPER)
+    pids = wait_for_pids(kc, msg_id, 3)
+    assert len(pids) == 3
+    km.interrupt_kernel()  # what the stop button does: SIGINT to the kernel's process group
+    assert run_cell(kc, None, msg_id=msg_id)[1] == "KeyboardInterrupt"
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "workers survived an interrupt"
+        time.sleep(0.1)
+    out, ename = run_cell(kc, "print(launch(lambda rank, world_size: rank, 2))")
+    assert ename is None and "[0, 1]" in out
+
+
+def test_killing_the_kernel_takes_the_workers_with_it(kernel):
+    km, kc = kernel
+    msg_id = kc.execute(SLEEPER)
+    pids = wait_for_pids(kc, msg_id, 3)
+    assert len(pids) == 3
+    km.shutdown_kernel(now=True)  # SIGKILL: no Python cleanup runs in the kernel
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "workers outlived their kernel"
+        time.sleep(0.1)
