@@ -31,6 +31,7 @@ This is the one place in the course where a process group is made. How it works:
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -38,6 +39,7 @@ import io
 import linecache
 import multiprocessing.connection
 import os
+import re
 import signal
 import sys
 import time
@@ -168,7 +170,7 @@ class WorkerGroup:
         cpus = len(os.sched_getaffinity(0))
         threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
         ctx = _context()
-        self.procs, self.conns, self._outputs = [], [], {}
+        self.procs, self.conns, self._outputs, self._busy = [], [], {}, False
         for rank in range(world_size):
             conn, child_conn = ctx.Pipe()
             out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
@@ -176,7 +178,8 @@ class WorkerGroup:
             proc = ctx.Process(target=_worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
                 rank, world_size, self.backend, self._store.port, threads, exit_after_error,
                 child_conn, out_w, err_w))
-            proc.start()
+            with _main_module_hidden():
+                proc.start()
             for end in (child_conn, out_w, err_w):  # the worker holds these now
                 end.close()
             for stream, reader in (("stdout", out_r), ("stderr", err_r)):
@@ -199,54 +202,52 @@ class WorkerGroup:
         """Run ``fn`` on ``ranks`` (default: all) and return their results, in rank order."""
         ranks = list(range(self.world_size)) if ranks is None else sorted(ranks)
         task = _dumps((fn, kwargs or {}, _interactive_sources()))
+        self._busy = True
         for r in ranks:
             self.conns[r].send_bytes(task)
-        results, errors = {}, []
+        replies = {}  # rank -> ("ok", value) or ("error", when, RankError)
+        failed = lambda: any(reply[0] == "error" for reply in replies.values())  # noqa: E731
         deadline = time.monotonic() + timeout
         try:
-            while len(results) < len(ranks) and not errors:
+            while len(replies) < len(ranks) and not failed():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    hung = [r for r in ranks if r not in results]
+                    hung = [r for r in ranks if r not in replies]
                     raise RankTimeout(hung, timeout, self._stacks_of(hung))
-                waiting = [self.conns[r] for r in ranks if r not in results]
-                sentinels = {self.procs[r].sentinel: r for r in ranks if r not in results}
+                waiting = [r for r in ranks if r not in replies]
                 ready = multiprocessing.connection.wait(
-                    waiting + list(sentinels) + [o[2] for o in self._outputs.values()], timeout=left)
+                    [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting]
+                    + [reader for _, _, reader in self._outputs.values()], timeout=left)
                 self._pump_output()
+                for r in waiting:
+                    if self.conns[r] in ready or self.procs[r].sentinel in ready:
+                        replies[r] = self._receive(r)
+            if failed():
+                time.sleep(0.05)  # peers that were waiting on the failed rank report (or die) too
                 for r in ranks:
-                    if r not in results and self.conns[r] in ready:
-                        self._receive(r, results, errors)
-                for sentinel, r in sentinels.items():
-                    if sentinel in ready and r not in results and not errors:
-                        self._receive(r, results, errors, dead=True)
-            if errors:
-                time.sleep(0.05)  # let errors from peers that were waiting on it arrive too
-                for r in ranks:
-                    if r not in results and self.conns[r].poll():
-                        self._receive(r, results, errors)
-                raise min(errors, key=lambda e: e[0])[1]  # the earliest error is the cause
-            return [results[r] for r in ranks]
+                    if r not in replies and (self.conns[r].poll() or not self.procs[r].is_alive()):
+                        replies[r] = self._receive(r)
+                errors = [reply for reply in replies.values() if reply[0] == "error"]
+                raise min(errors, key=lambda reply: reply[1])[2]  # the earliest error is the cause
+            self._busy = False
+            return [replies[r][1] for r in ranks]
         finally:
             self._pump_output()
             self._flush_partial_lines()
 
-    def _receive(self, rank, results, errors, dead=False):
-        """Read one reply of ``rank``: a result, or an error (with the time it happened)."""
+    def _receive(self, rank):
+        """Read the reply of ``rank``: ("ok", value), or ("error", when it happened, RankError)."""
         try:
-            kind, payload = cloudpickle.loads(self.conns[rank].recv_bytes())
-        except (EOFError, OSError):
-            code = self.procs[rank].exitcode if dead else None
+            kind, *payload = cloudpickle.loads(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):  # the process is gone without a word
             self.procs[rank].join(timeout=1)
-            code = self.procs[rank].exitcode if code is None else code
-            errors.append((time.monotonic(), RankError(rank, f"the process died (exit code {_describe_exit(code)})"
-                                                       " without reporting an error")))
-            return
+            code = _describe_exit(self.procs[rank].exitcode)
+            # A silent death comes before the errors it causes in its peers: rank it first (time 0).
+            return "error", 0.0, RankError(rank, f"the process died (exit code {code}) without reporting an error")
         if kind == "ok":
-            results[rank] = payload
-        else:
-            when, summary, tb = payload
-            errors.append((when, RankError(rank, summary, tb)))
+            return "ok", payload[0]
+        when, summary, tb = payload
+        return "error", when, RankError(rank, summary, _name_cells(tb))
 
     def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """Ask each hung rank to print its Python stack (faulthandler on SIGUSR1) and collect the text."""
@@ -264,7 +265,7 @@ class WorkerGroup:
             self._flush_partial_lines()
         finally:
             self.on_output = relay
-        return {r: _user_frames("".join(lines)) for r, lines in captured.items()}
+        return {r: _name_cells(_user_frames("".join(lines))) for r, lines in captured.items()}
 
     def _pump_output(self):
         """Move whatever the ranks printed into ``on_output``, one complete line at a time."""
@@ -295,7 +296,7 @@ class WorkerGroup:
         try:
             for conn in self.conns:
                 conn.close()  # a worker waiting for a task sees EOF and exits by itself
-            end = time.monotonic() + 1.0
+            end = time.monotonic() + (0.0 if self._busy else 1.0)  # a busy one (error, interrupt) is killed
             for proc in self.procs:
                 proc.join(timeout=max(0.0, end - time.monotonic()))
             for proc in self.procs:
@@ -307,6 +308,19 @@ class WorkerGroup:
             self._outputs.clear()
         finally:
             _restore_sigint(old)
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
+    We ship code by value, so skip it: faster, and it works from ``python -c``, stdin, or a script
+    without an ``if __name__ == "__main__"`` guard."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _print_with_prefix(rank: int, stream: str, line: str) -> None:
@@ -371,6 +385,20 @@ def _user_frames(stack: str) -> str:
     return stack
 
 
+def _name_cells(text: str) -> str:
+    """In a notebook, write 'Cell In[3]' (as IPython does) instead of the kernel's temporary file name."""
+    try:
+        from IPython import get_ipython
+        compiler = get_ipython().compile
+    except (ImportError, AttributeError):
+        return text
+    for filename in set(re.findall(r'File "([^"]+)"', text)):
+        cell = compiler.format_code_name(filename) if hasattr(compiler, "format_code_name") else None
+        if cell:
+            text = text.replace(f'File "{filename}"', " ".join(cell))
+    return text
+
+
 def _interactive_sources() -> dict:
     """Source lines of code typed into notebook cells (IPython keeps them in ``linecache`` only)."""
     return {name: entry for name, entry in linecache.cache.items()
@@ -431,7 +459,7 @@ def _reply_error(conn, exc: BaseException) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        conn.send_bytes(cloudpickle.dumps(("error", (when, summary, tb))))
+        conn.send_bytes(cloudpickle.dumps(("error", when, summary, tb)))
     except (OSError, ValueError):
         pass
 

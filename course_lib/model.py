@@ -165,9 +165,10 @@ class GPT(nn.Module):
 
 
 def loss_fn(logits, targets):
-    """Mean cross entropy over every token of the batch. In float32: bf16 logits lose the small
-    probabilities that the log-softmax needs."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean cross entropy over every token of the batch, in at least float32: bf16 logits lose the small
+    probabilities that the log-softmax needs (float64 stays float64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build(config: ModelConfig, seed: int = 0, device=None, dtype=None) -> GPT:

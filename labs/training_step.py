@@ -1,0 +1,104 @@
+"""Lab 00: the four-move training step on N ranks, gradients averaged by hand with one all_reduce.
+
+    python labs/training_step.py --world-size 2                      # this CPU: 2 gloo ranks via launch()
+    torchrun --nproc-per-node 8 labs/training_step.py --hidden 1024 --layers 8 --steps 100   # one GPU box
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        labs/training_step.py --hidden 2048 --layers 16                                    # two boxes
+
+Every rank builds the same model (same seed), takes its own slice of each global batch, runs forward,
+loss and backward, then all-reduces the gradients and divides by world_size before the optimizer step,
+so the replicas stay identical. The lab prints a table, checks that the replicas agree and that the
+loss matches one process training on the whole global batch (small models only), and writes
+labs/results/training_step.json and .png for the notebook to show beside the learner's CPU run.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib import device, launch
+from course_lib.data import SyntheticTokens
+from course_lib.model import build, loss_fn, preset
+from course_lib.train import train
+
+
+def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, seq_len, lr):
+    config = preset("tiny", **overrides)
+    model = build(config, seed=0, device=device())
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=0)
+    losses, step_seconds = [], []
+    progress = range(steps)
+    if rank == 0:
+        from tqdm import tqdm
+        progress = tqdm(progress, desc=f"{world_size} ranks", mininterval=1.0)
+    for step in progress:
+        start = time.perf_counter()
+        inputs, targets = (t.to(device()) for t in data.rank_batch(step, global_batch, rank, world_size))
+        loss = loss_fn(model(inputs), targets)              # 1-2. forward and loss on my slice
+        optimizer.zero_grad()
+        loss.backward()                                     # 3. my slice's gradients
+        for param in model.parameters():                    # average them over ranks: g = (g0 + g1 + ...) / W
+            dist.all_reduce(param.grad)
+            param.grad /= world_size
+        optimizer.step()                                    # 4. every rank applies the same update
+        dist.all_reduce(loss.detach())
+        losses.append(loss.item() / world_size)             # the loss of the whole global batch
+        step_seconds.append(time.perf_counter() - start)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(copies, flat)
+    spread = max((c - flat).abs().max().item() for c in copies)  # 0.0 when every replica is identical
+    return {"losses": losses, "step_seconds": step_seconds, "replica_spread": spread,
+            "params": sum(p.numel() for p in model.parameters()), "backend": dist.get_backend()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    overrides = {k: v for k, v in {"hidden": args.hidden, "num_layers": args.layers}.items() if v}
+    if args.hidden:  # keep head_dim at 8 and the MLP at 2x the width, as in the tiny model
+        overrides.update(num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16, intermediate=2 * args.hidden)
+    results = launch(data_parallel_training, args.world_size, overrides=overrides, steps=args.steps,
+                     global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    run = results[0]
+    losses = run["losses"]
+    reference = None
+    if run["params"] < 5_000_000:  # one process on the whole global batch: the answer DP must reproduce
+        config = preset("tiny", **overrides)
+        reference = train(build(config, seed=0), SyntheticTokens(config.vocab_size, args.seq_len, seed=0),
+                          steps=args.steps, lr=args.lr, batch_size=args.global_batch)
+    median = sorted(run["step_seconds"])[len(run["step_seconds"]) // 2]
+    print(f"\n{'ranks':>6} {'backend':>8} {'params':>12} {'first loss':>11} {'last loss':>10} "
+          f"{'step (ms)':>10} {'replica spread':>15} {'vs 1 process':>13}")
+    gap = max(abs(a - b) for a, b in zip(losses, reference)) if reference else float("nan")
+    print(f"{args.world_size:>6} {run['backend']:>8} {run['params']:>12,} {losses[0]:>11.4f} {losses[-1]:>10.4f} "
+          f"{median * 1e3:>10.2f} {run['replica_spread']:>15.2e} {gap:>13.2e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"world_size": args.world_size, **run, "single_process_losses": reference}
+    (args.out / "training_step.json").write_text(json.dumps(record, indent=1))
+    from course_lib.plots import loss_curves
+    curves = {f"{args.world_size} ranks ({run['backend']})": losses}
+    if reference:
+        curves["1 process, whole batch"] = reference
+    loss_curves(curves, title="data-parallel training step").savefig(args.out / "training_step.png", dpi=100)
+    print(f"wrote {args.out / 'training_step.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
