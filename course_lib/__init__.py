@@ -4,5 +4,20 @@ Start with :func:`launch`: it runs a function on N processes that form a ``torch
 """
 
 from .launch import RankError, RankTimeout, WorkerGroup, device, launch
+from .world import World
 
-__all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup"]
+__all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup", "World"]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext course_lib`` adds the ``%ranks`` / ``%%ranks`` magics (see course_lib/magics.py)."""
+    from .magics import RanksMagics
+
+    ipython.register_magics(RanksMagics)
+
+
+def unload_ipython_extension(ipython):
+    magics = ipython.magics_manager.registry.get("RanksMagics")
+    if magics is not None and magics.world is not None:
+        magics.world.stop()
+        magics.world = None

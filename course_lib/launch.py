@@ -58,12 +58,17 @@ DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, s
 class RankError(RuntimeError):
     """A rank failed. ``rank`` names it; ``remote_traceback`` is its traceback as text."""
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str = ""):
+    def __init__(self, rank: int, summary: str, remote_traceback: str = "", when: float = 0.0):
         self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
+        self.when = when  # time.monotonic() when it happened (one clock for the whole machine)
         text = f"rank {rank}: {summary}"
         if remote_traceback:
             text += f"\n\n--- traceback of rank {rank} ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
+
+    def _render_traceback_(self):
+        """What IPython shows: the rank's own traceback, not the launcher's frames that relayed it."""
+        return [f"{type(self).__name__}: {self}"]
 
 
 class RankTimeout(RankError):
@@ -74,7 +79,7 @@ class RankTimeout(RankError):
         RuntimeError.__init__(self, f"ranks {ranks} did not finish within {timeout:g} s (a collective that "
                               "not every rank called, or a loop that never ends?)\n\n" + "\n".join(
                                   f"--- where rank {r} was ---\n{stacks.get(r, '(no stack)').rstrip()}" for r in ranks))
-        self.rank, self.summary, self.remote_traceback = ranks[0], "timeout", ""
+        self.rank, self.summary, self.remote_traceback, self.when = ranks[0], "timeout", "", 0.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -167,16 +172,18 @@ class WorkerGroup:
         self._partial: dict[tuple[int, str], str] = {}
         # The rendezvous: this process hosts the store; port 0 lets the OS pick a free port.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store_port = self._store.port
         cpus = len(os.sched_getaffinity(0))
         threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
         ctx = _context()
         self.procs, self.conns, self._outputs, self._busy = [], [], {}, False
+        self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
         for rank in range(world_size):
             conn, child_conn = ctx.Pipe()
             out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
             err_r, err_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
-                rank, world_size, self.backend, self._store.port, threads, exit_after_error,
+                rank, world_size, self.backend, self.store_port, threads, exit_after_error,
                 child_conn, out_w, err_w))
             with _main_module_hidden():
                 proc.start()
@@ -199,21 +206,45 @@ class WorkerGroup:
 
     def run(self, fn: Callable, kwargs: dict | None = None, *, timeout: float = DEFAULT_TIMEOUT,
             ranks: list[int] | None = None) -> list:
-        """Run ``fn`` on ``ranks`` (default: all) and return their results, in rank order."""
+        """Run ``fn`` on ``ranks`` (default: all) and return their results, in rank order.
+
+        Raises the earliest :class:`RankError` as soon as a rank fails, or :class:`RankTimeout`.
+        """
         ranks = list(range(self.world_size)) if ranks is None else sorted(ranks)
-        task = _dumps((fn, kwargs or {}, _interactive_sources()))
+        self.submit(fn, kwargs, ranks)
+        replies = self.collect(ranks, timeout=timeout, stop_at_error=True)
+        hung = [r for r in ranks if r not in replies]
+        errors = [reply for reply in replies.values() if reply[0] == "error"]
+        if errors:
+            raise min(errors, key=lambda reply: reply[1])[2]  # the earliest error is the cause
+        if hung:
+            raise RankTimeout(hung, timeout, self.stacks_of(hung))
+        self._busy = False
+        return [replies[r][1] for r in ranks]
+
+    def submit(self, fn: Callable, kwargs: dict | None, ranks: list[int]) -> None:
+        """Send ``fn(rank, world_size, **kwargs)`` to ``ranks``; ``collect`` gathers the replies."""
+        sources = {name: entry for name, entry in _interactive_sources().items() if name not in self._sent_sources}
+        self._sent_sources.update(sources)
+        task = _dumps((fn, kwargs or {}, sources))
         self._busy = True
         for r in ranks:
             self.conns[r].send_bytes(task)
-        replies = {}  # rank -> ("ok", value) or ("error", when, RankError)
+
+    def collect(self, ranks: list[int], *, timeout: float, stop_at_error: bool) -> dict:
+        """Wait for the replies of ``ranks``, relaying their output meanwhile.
+
+        Returns {rank: ("ok", value) or ("error", when, RankError)} for the ranks that replied: all of them,
+        or fewer if ``timeout`` ran out or (with ``stop_at_error``) once a rank failed.
+        """
+        replies = {}
         failed = lambda: any(reply[0] == "error" for reply in replies.values())  # noqa: E731
         deadline = time.monotonic() + timeout
         try:
-            while len(replies) < len(ranks) and not failed():
+            while len(replies) < len(ranks) and not (stop_at_error and failed()):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    hung = [r for r in ranks if r not in replies]
-                    raise RankTimeout(hung, timeout, self._stacks_of(hung))
+                    break
                 waiting = [r for r in ranks if r not in replies]
                 ready = multiprocessing.connection.wait(
                     [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting]
@@ -222,18 +253,15 @@ class WorkerGroup:
                 for r in waiting:
                     if self.conns[r] in ready or self.procs[r].sentinel in ready:
                         replies[r] = self._receive(r)
-            if failed():
+            if stop_at_error and failed():
                 time.sleep(0.05)  # peers that were waiting on the failed rank report (or die) too
                 for r in ranks:
                     if r not in replies and (self.conns[r].poll() or not self.procs[r].is_alive()):
                         replies[r] = self._receive(r)
-                errors = [reply for reply in replies.values() if reply[0] == "error"]
-                raise min(errors, key=lambda reply: reply[1])[2]  # the earliest error is the cause
-            self._busy = False
-            return [replies[r][1] for r in ranks]
         finally:
             self._pump_output()
             self._flush_partial_lines()
+        return replies
 
     def _receive(self, rank):
         """Read the reply of ``rank``: ("ok", value), or ("error", when it happened, RankError)."""
@@ -247,9 +275,9 @@ class WorkerGroup:
         if kind == "ok":
             return "ok", payload[0]
         when, summary, tb = payload
-        return "error", when, RankError(rank, summary, _name_cells(tb))
+        return "error", when, RankError(rank, summary, _name_cells(tb), when)
 
-    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+    def stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """Ask each hung rank to print its Python stack (faulthandler on SIGUSR1) and collect the text."""
         captured = {r: [] for r in ranks}
         relay = self.on_output
@@ -380,7 +408,7 @@ def _user_frames(stack: str) -> str:
     """A faulthandler dump, cut where the learner's code was called from this module."""
     lines = stack.splitlines(keepends=True)
     for i, line in enumerate(lines):
-        if __file__ in line:
+        if any(f'"{path}"' in line for path in PLUMBING_FILES):
             return "".join(lines[:i])
     return stack
 
@@ -419,19 +447,19 @@ def _worker_main(rank, world_size, backend, store_port, threads, exit_after_erro
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_WORLD_SIZE=str(world_size), MPLBACKEND="Agg")  # figures go to the notebook
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT * 5))
+        init_group(rank, world_size, backend, store_port)
     except Exception as exc:  # report a failed start like any other error
         _reply_error(conn, exc)
         return
     while True:
         try:
             task = conn.recv_bytes()
+        except KeyboardInterrupt:
+            continue  # an interrupt meant for a task that had just finished
         except (EOFError, OSError):
             break  # the notebook closed the group
         try:
@@ -444,29 +472,45 @@ def _worker_main(rank, world_size, backend, store_port, threads, exit_after_erro
             if exit_after_error:
                 os._exit(1)  # closing our sockets makes peers blocked in a collective fail fast
             continue
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        conn.send_bytes(reply)
+        _send_uninterrupted(conn, reply)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:
+    """Join the process group through the notebook's store. A rebuilt group (after a failure left the old
+    one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
+    store = dist.PrefixStore(f"generation{generation}", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT * 5))
+
+
+def _send_uninterrupted(conn, data: bytes) -> None:
+    """Send a reply whole: an interrupt in the middle of it would garble the pipe."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        conn.send_bytes(data)
+    except (OSError, ValueError):
+        pass  # the notebook has gone
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _reply_error(conn, exc: BaseException) -> None:
     when = time.monotonic()  # one clock for all processes on this machine: the earliest error is the cause
     summary = f"{type(exc).__name__}: {exc}"
     tb = "".join(traceback.format_exception(type(exc), exc, _skip_own_frames(exc.__traceback__)))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        conn.send_bytes(cloudpickle.dumps(("error", when, summary, tb)))
-    except (OSError, ValueError):
-        pass
+    _send_uninterrupted(conn, cloudpickle.dumps(("error", when, summary, tb)))
+
+
+PLUMBING_FILES = {__file__}  # modules whose frames a learner need not see (world.py adds itself)
 
 
 def _skip_own_frames(tb):
-    """Start the traceback at the learner's code, not at this module's worker loop."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
+    """Start the traceback at the learner's code, not at the worker loop that called it."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in PLUMBING_FILES and tb.tb_next is not None:
         tb = tb.tb_next
     return tb
 

@@ -1,0 +1,446 @@
+"""The memory ledger: predict every byte of training state and activations, then measure it.
+
+Units: GiB = 2**30 bytes (what the source material and nvidia-smi use), GB = 10**9 bytes (what papers and
+spec sheets often use). Every printed number in the course says which.
+
+1. Training state: bytes per parameter
+--------------------------------------
+Training keeps, for every one of the P parameters, a weight, a gradient and the optimizer's state. With
+Adam in mixed precision (the ZeRO paper's convention, and the source's "16 bytes per parameter"):
+
+    weights   2   16-bit copy used by forward and backward (bf16 or fp16)
+    grads     2   16-bit gradient written by backward
+    optimizer 12  fp32 master copy of the weight (4) + Adam's first moment m (4) + second moment v (4)
+    total     16 bytes/param            7.1e9 params × 16 = 113.6e9 bytes = 105.8 GiB
+
+Other conventions give other splits (see CONVENTIONS): plain fp32 Adam is 4 + 4 + 8 = 16 as well, but only
+8 of it is optimizer state; keeping an fp32 gradient buffer for accumulation across micro-batches
+(Megatron-LM with fp16 weights) adds 4 bytes: 2 + 6 + 12 = 20.
+
+ZeRO splits the same three parts over the N data-parallel ranks, one more part per stage:
+
+    stage 0 (plain DDP)  per rank = (w + g + o)·P
+    stage 1              per rank = (w + g)·P + o·P/N         optimizer state sharded
+    stage 2              per rank = w·P + (g + o)·P/N         ... and gradients
+    stage 3              per rank = (w + g + o)·P/N           ... and weights
+
+A shard holds ceil(P/N) parameters (the largest shard, when N does not divide P).
+DeepSpeed's own estimator counts differently (deepspeed_estimate): its fp32 gradient partition sits with
+the optimizer (16 bytes) and its 16-bit gradients stay whole in stage 2, so it prints 4·P + 16·P/N for
+stage 2 where the formula above gives 2·P + 14·P/N.
+
+2. Activations: the bytes saved for backward
+--------------------------------------------
+The published formula (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models") counts, per GPT-3 style layer, the bytes a forward pass keeps for backward. Its assumptions: a
+post-2020 GPT layer (LayerNorm, multi-head attention that stores the s×s score matrix, a 4h GeLU MLP,
+dropout with 1-byte masks), 16-bit activations, s = sequence length, b = micro-batch, h = hidden size,
+a = attention heads, t = tensor-parallel size:
+
+    attention  11·sbh + 5·a·s²·b   QKV input 2sbh; Q and K 4sbh; softmax output 2as²b; its dropout mask as²b;
+                                   dropout output 2as²b and V 2sbh; output projection input 2sbh; mask sbh
+    MLP        19·sbh              first linear input 2sbh; GeLU input 8sbh; GeLU output 8sbh; mask sbh
+    2 norms     4·sbh              the input of each LayerNorm
+    total      sbh·(34 + 5·a·s/h) bytes per layer
+
+    tensor parallel            sbh·(10 + 24/t + 5·a·s/(h·t))   norms, masks and two inputs stay whole
+    + sequence parallel        sbh·(34/t + 5·a·s/(h·t))        ... now split along the sequence too
+    selective recomputation    drops the 5·a·s/h term (scores, softmax, dropout are recomputed)
+    full recomputation         2·sbh (only each layer's input is kept; 2·sbh/t with sequence parallelism)
+
+The course's model is not a GPT-3 layer: RMSNorm, rotary positions, grouped-query attention, SwiGLU, and
+PyTorch's scaled_dot_product_attention, which never stores the s×s scores (like FlashAttention it
+recomputes them in backward: selective recomputation built into the kernel). `gpt_activation_bytes`
+derives its bytes term by term from what each operation saves in torch 2.13 (d = hidden, I = intermediate,
+n_h = heads, h_d = head_dim, V = vocabulary, e = bytes per activation value, 2 in bf16/fp16 and 4 in fp32):
+
+    per layer (× L):
+      attn_norm, mlp_norm   2 × (2·bsd·4 + bs·4)   RMSNorm works in fp32: its input and x·rstd (both fp32
+                                                   copies in 16-bit training), and rstd
+      attn.q_proj           bsd·e                  the normed x, one storage shared by q, k, v projections
+      attn                  4·bsd·e + b·n_h·s·4    SDPA keeps q, k, v (k, v already repeated to n_h heads: GQA
+                            + 4·s·(h_d/2)·4        saves nothing here), its output (which o_proj reuses) and
+                                                   fp32 log-sum-exp; rotary cos and sin tables of q and k
+      mlp.gate_proj         bsd·e                  the normed x, shared by gate and up projections
+      mlp                   3·bsI·e                gate and up outputs, silu(gate)
+      mlp.down_proj         bsI·e                  silu(gate)·up
+    once:
+      embed                 bs·8                   the token ids (int64)
+      norm, head            2·bsd·4 + bs·4, bsd·e  final RMSNorm as above; the head's input
+      loss                  bsV·4 + bs·8 + 4       fp32 log-probabilities, target ids, cross-entropy's
+                                                   weight sum
+
+Only the rotary tables and the 4-byte weight sum do not grow with the batch. These bytes are measured
+exactly by `SavedActivations`, which counts the tensors autograd saves (torch.autograd.graph.
+saved_tensors_hooks), each storage once, leaving out parameters and views of parameters (a Linear saves
+weight.t(), which is a view of the weight, not new memory).
+
+3. Measurement
+--------------
+`measure_state_bytes` counts real tensor storage: parameters, their .grad, and every tensor in the
+optimizer's state; a storage shared by two tensors (a tied weight, a view) is counted once. torch's Adam
+keeps a float32 `step` tensor per parameter tensor: those bytes grow with the number of tensors, not of
+parameters, so they are reported apart as `step_counters`. `MixedPrecisionAdam` keeps exactly the 12
+bytes of the formula and counts steps in a Python int.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+GiB, GB, MiB, TiB = 2**30, 10**9, 2**20, 2**40
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Training state
+# ---------------------------------------------------------------------------------------------------
+
+class Convention(NamedTuple):
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    description: str
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+CONVENTIONS = {
+    "mixed": Convention(2, 2, 12, "mixed-precision Adam: 16-bit weights and grads; fp32 master weights, m and v "
+                                  "(ZeRO paper, the source's 16 bytes/param)"),
+    "fp32": Convention(4, 4, 8, "fp32 Adam: fp32 weights and grads; fp32 m and v (no master copy needed)"),
+    "bf16+fp32 grads": Convention(2, 4, 12, "bf16 weights; backward accumulates straight into fp32 gradients "
+                                            "(Megatron-LM's bf16 default, 18 bytes/param)"),
+    "fp32 grad accumulation": Convention(2, 2 + 4, 12, "fp16 weights and grads, plus an fp32 gradient buffer "
+                                                       "summed over micro-batches (Megatron-LM with fp16, 20 bytes/param)"),
+}
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _count(name: str, value, minimum: int = 0) -> int:
+    """An integer ≥ minimum. Integral floats (7.1e9) are accepted: people write parameter counts that way."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{name}={value!r}: must be a whole number")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r}: must be >= {minimum}")
+    return int(value)
+
+
+def zero_state_bytes(num_params, stage: int, world_size: int, weight_bytes: int = 2, grad_bytes: int = 2,
+                     optimizer_bytes: int = 12) -> dict[str, int]:
+    """Bytes of training state on one rank: {"weights", "grads", "optimizer", "total"}.
+
+    stage 0 is plain data parallelism (every rank holds everything); stages 1, 2, 3 shard the optimizer
+    state, then also the gradients, then also the weights over `world_size` ranks. A sharded part holds
+    ceil(num_params / world_size) parameters: the largest shard, and every shard when world_size divides
+    num_params. Defaults are mixed-precision Adam (2 + 2 + 12); CONVENTIONS lists others.
+    """
+    num_params = _count("num_params", num_params)
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+    world_size = _count("world_size", world_size, minimum=1)
+    per_param = {"weights": _count("weight_bytes", weight_bytes), "grads": _count("grad_bytes", grad_bytes),
+                 "optimizer": _count("optimizer_bytes", optimizer_bytes)}
+    shard = -(-num_params // world_size)             # ceil division, exact for any size of integer
+    # Stage k shards the last k parts of the list below: optimizer first, weights last.
+    sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "weights": stage >= 3}
+    state = {part: per_param[part] * (shard if sharded[part] else num_params) for part in per_param}
+    state["total"] = sum(state.values())
+    return state
+
+
+def deepspeed_estimate(num_params, stage: int, world_size: int, largest_layer_params: int = 0) -> int:
+    """Bytes per GPU that DeepSpeed's estimators print (no offload), for comparison with zero_state_bytes.
+
+    stage 2, estimate_zero2_model_states_mem_needs:  4·P + 16·P/N   (16-bit weights and grads whole;
+             fp32 master, m, v and an fp32 gradient partition: 16 bytes, sharded)
+    stage 3, estimate_zero3_model_states_mem_needs:  18·P/N + 4·largest_layer   (16-bit weights and the 16
+             sharded bytes; one layer's 16-bit weights and grads gathered whole)
+    DeepSpeed prints these divided by 2**30 but labelled "GB": they are GiB.
+    """
+    num_params = _count("num_params", num_params)
+    world_size = _count("world_size", world_size, minimum=1)
+    largest_layer_params = _count("largest_layer_params", largest_layer_params)
+    if stage == 2:
+        return 4 * num_params + int(16 * num_params / world_size)
+    if stage == 3:
+        return 4 * largest_layer_params + int(18 * num_params / world_size)
+    raise ValueError(f"stage={stage!r}: DeepSpeed's estimators cover stage 2 (also used for stage 1) and stage 3")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Activations: the published formula, and the course model's own
+# ---------------------------------------------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _check_shape(seq_len, batch_size, hidden, heads, num_layers=1, tp=1):
+    for name, value in [("seq_len", seq_len), ("batch_size", batch_size), ("hidden", hidden), ("heads", heads),
+                        ("num_layers", num_layers), ("tp", tp)]:
+        _count(name, value, minimum=1)
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} is not divisible by heads={heads}: every head gets hidden/heads values")
+    if heads % tp:
+        raise ValueError(f"heads={heads} is not divisible by tp={tp}: tensor parallelism gives each rank whole heads")
+
+
+def gpt3_layer_terms(seq_len: int, batch_size: int, hidden: int, heads: int) -> dict[str, int]:
+    """Korthikanti et al.'s per-layer terms (16-bit, no parallelism); they sum to sbh·(34 + 5as/h)."""
+    _check_shape(seq_len, batch_size, hidden, heads)
+    s, b, h, a = seq_len, batch_size, hidden, heads
+    sbh = s * b * h
+    return {
+        "QKV input": 2 * sbh, "Q and K": 4 * sbh, "softmax output": 2 * a * s * s * b,
+        "softmax dropout mask": a * s * s * b, "dropout output (for ·V)": 2 * a * s * s * b, "V": 2 * sbh,
+        "output projection input": 2 * sbh, "attention dropout mask": sbh,
+        "MLP first linear input": 2 * sbh, "GeLU input": 8 * sbh, "GeLU output": 8 * sbh, "MLP dropout mask": sbh,
+        "two LayerNorm inputs": 4 * sbh,
+    }
+
+
+def activation_bytes(seq_len: int, batch_size: int, hidden: int, heads: int, num_layers: int = 1, tp: int = 1,
+                     sequence_parallel: bool = False, recompute: str = "none") -> int:
+    """Activation bytes per rank of `num_layers` GPT-3 style layers (Korthikanti et al. 2022, table 2).
+
+    Per layer, 16-bit:  sbh·(34 + 5as/h);  tensor parallel: sbh·(10 + 24/t + 5as/(ht));  with sequence
+    parallelism: sbh·(34/t + 5as/(ht)); selective recomputation drops the 5as/h term; full recomputation
+    keeps 2·sbh (2·sbh/t with sequence parallelism). Embedding, final norm, output layer and loss are not
+    included (the paper counts them apart).
+    """
+    _check_shape(seq_len, batch_size, hidden, heads, num_layers, tp)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+    s, b, h, a, t = seq_len, batch_size, hidden, heads, tp
+    sbh = s * b * h
+    split = t if sequence_parallel else 1            # sequence parallelism splits what plain TP keeps whole
+    if recompute == "full":
+        per_layer = 2 * sbh // split
+    else:
+        # heads % t == 0 and hidden % heads == 0 make every division below exact.
+        per_layer = 10 * sbh // split + 24 * sbh // t
+        if recompute == "none":
+            per_layer += 5 * a * s * s * b // t
+    return num_layers * per_layer
+
+
+PREDICTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32,
+                         recompute: str = "none") -> dict[str, int]:
+    """Bytes that one forward of the course's GPT (course_lib.model) plus its loss saves for backward.
+
+    Returns the terms of the module docstring, keyed by the module that saves them (layer terms summed
+    over all layers), and "total". Exact for torch 2.13 on CPU; batch_size=0 gives the part that does not
+    grow with the batch (rotary tables, one scalar). recompute="full" is the peak of checkpointing every
+    layer: each layer's input kept, plus one layer's own terms while backward recomputes it.
+    """
+    if dtype not in PREDICTED_DTYPES:
+        raise ValueError(f"dtype={dtype}: the prediction covers {', '.join(map(str, PREDICTED_DTYPES))}")
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute={recompute!r}: the course model's prediction has 'none' and 'full' (SDPA "
+                         "already recomputes the attention scores: that is 'selective' built in)")
+    b = _count("batch_size", batch_size)
+    s = _count("seq_len", seq_len, minimum=1)
+    if s > config.max_seq_len:
+        raise ValueError(f"seq_len={s} > max_seq_len={config.max_seq_len} of this config")
+    e = torch.tensor([], dtype=dtype).element_size()   # bytes per activation value
+    d, inter, heads, L = config.hidden, config.intermediate, config.num_heads, config.num_layers
+    f32, i64 = 4, 8
+    rms_norm = 2 * b * s * d * f32 + b * s * f32        # fp32 input and x·rstd, and rstd
+    layer = {
+        "attn_norm": rms_norm,
+        "attn.q_proj": b * s * d * e,
+        "attn": 4 * b * s * d * e + b * heads * s * f32 + 4 * s * (config.head_dim // 2) * f32,
+        "mlp_norm": rms_norm,
+        "mlp.gate_proj": b * s * d * e,
+        "mlp": 3 * b * s * inter * e,
+        "mlp.down_proj": b * s * inter * e,
+    }
+    terms = {"embed": b * s * i64}
+    if recompute == "none":
+        terms.update({name: L * nbytes for name, nbytes in layer.items()})
+    else:
+        terms["layer inputs (checkpoints)"] = L * b * s * d * e
+        terms["one layer, recomputed"] = sum(layer.values())
+    terms["norm"] = rms_norm
+    terms["head"] = b * s * d * e
+    terms["loss"] = b * s * config.vocab_size * f32 + b * s * i64 + f32
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Measurement
+# ---------------------------------------------------------------------------------------------------
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor that lives on this rank (a DTensor's local shard; any other tensor itself)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _storage_key(tensor: torch.Tensor):
+    storage = _local(tensor).untyped_storage()
+    return (str(storage.device), storage.data_ptr()), storage.nbytes()
+
+
+def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of training state this process holds, counted from tensor storage, each storage once.
+
+    {"weights", "grads", "optimizer", "step_counters", "total"}: parameters; their .grad; the optimizer's
+    per-element state (tensors with at least one dimension); its 0-dimensional state, such as the float32
+    `step` torch's Adam keeps for every parameter tensor. Buffers are not training state and not counted
+    (the course's model has none).
+    """
+    seen = set()
+    state = {"weights": 0, "grads": 0, "optimizer": 0, "step_counters": 0}
+
+    def add(part, tensor):
+        key, nbytes = _storage_key(tensor)
+        if key not in seen:
+            seen.add(key)
+            state[part] += nbytes
+
+    params = list(model.parameters())
+    for param in params:
+        add("weights", param)
+    for param in params:
+        if param.grad is not None:
+            add("grads", param.grad)
+    if optimizer is not None:
+        for param_state in optimizer.state.values():
+            for value in param_state.values():
+                if torch.is_tensor(value):
+                    add("step_counters" if value.dim() == 0 else "optimizer", value)
+    state["total"] = sum(state.values())
+    return state
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward inside a `with` block, by module.
+
+        with SavedActivations(model) as saved:
+            loss = loss_fn(model(inputs), targets)
+        saved.bytes, saved.by_module     # total, and {"layers.0.attn": ..., "loss": ...}
+
+    Each storage is counted once, at the first module that saves it; parameters and views of parameters
+    are left out. Use one forward per block: a storage freed by backward may be reused at the same address.
+    Tensors saved outside any submodule (the loss) are filed under "loss".
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.bytes = 0
+        self.by_module: dict[str, int] = {}
+        self._excluded = {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        self._seen = set()
+        self._stack = ["loss"]
+        self._handles = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor):
+        key, nbytes = _storage_key(tensor)
+        if nbytes and key not in self._excluded and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += nbytes
+            self.by_module[self._stack[-1]] = self.by_module.get(self._stack[-1], 0) + nbytes
+        return tensor       # keep the tensor itself: only counting, not changing what is saved
+
+    def __enter__(self):
+        def enter(name):
+            def hook(module, args):
+                self._stack.append(name)      # returns None: a hook that returns a value replaces the args
+            return hook
+
+        def leave(module, args, output):
+            self._stack.pop()
+
+        for name, module in self.model.named_modules():
+            if name:   # the model itself is the outermost module: its own saves are the loss's, not a layer's
+                self._handles.append(module.register_forward_pre_hook(enter(name)))
+                self._handles.append(module.register_forward_hook(leave))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def by_kind(self) -> dict[str, int]:
+        """by_module with the layer index dropped ("layers.3.attn" → "attn"), summed over layers."""
+        kinds: dict[str, int] = {}
+        for name, nbytes in self.by_module.items():
+            kind = name.split(".", 2)[2] if name.startswith("layers.") else name
+            kinds[kind] = kinds.get(kind, 0) + nbytes
+        return kinds
+
+
+def measure_step(model, optimizer, inputs, targets, loss_fn) -> dict:
+    """Run one training step and measure it: {"activations": SavedActivations, "state": measure_state_bytes
+    after the step (gradients still held), "cuda_peak": torch.cuda.max_memory_allocated during the step,
+    or None off CUDA}."""
+    on_cuda = inputs.is_cuda
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    optimizer.zero_grad()
+    with SavedActivations(model) as saved:
+        loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    cuda_peak = None
+    if on_cuda:
+        torch.cuda.synchronize()
+        cuda_peak = torch.cuda.max_memory_allocated()
+    return {"activations": saved, "state": measure_state_bytes(model, optimizer), "cuda_peak": cuda_peak}
+
+
+class MixedPrecisionAdam(torch.optim.Optimizer):
+    """Adam for a model held in 16 bits, with exactly the 12 bytes of optimizer state per parameter of the
+    16-byte rule: an fp32 master copy of every weight, and Adam's m and v in fp32.
+
+    A step upcasts one 16-bit gradient at a time (a temporary), updates the fp32 master exactly as
+    torch.optim.Adam (foreach=False) would, and rounds the result into the 16-bit weight. The step count
+    is a Python int, so no per-tensor counters. State is made at construction: it exists before step 1.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if lr <= 0 or eps <= 0 or not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"lr={lr}, eps={eps} must be > 0 and betas={betas} in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        for group in self.param_groups:
+            group["step"] = 0
+            for param in group["params"]:
+                self.state[param] = {
+                    "master": param.detach().to(torch.float32, copy=True),   # a copy even if param is fp32
+                    "exp_avg": torch.zeros_like(param, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros_like(param, dtype=torch.float32),
+                }
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closure: MixedPrecisionAdam does not re-evaluate the loss; call step() without one")
+        for group in self.param_groups:
+            group["step"] += 1
+            beta1, beta2 = group["betas"]
+            step_size = group["lr"] / (1 - beta1 ** group["step"])
+            bias_correction2_sqrt = math.sqrt(1 - beta2 ** group["step"])
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                grad = param.grad.to(torch.float32)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
+                state["master"].addcdiv_(state["exp_avg"], denom, value=-step_size)
+                param.copy_(state["master"])     # round the fp32 master into the 16-bit weight
