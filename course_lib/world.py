@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import io
+import linecache
 import os
 import signal
 import sys
@@ -269,6 +270,7 @@ def _run_cell(rank, world_size, code, filename, display_rank):
     if not _NAMESPACE:
         _NAMESPACE.update(__name__="__ranks__", rank=rank, world_size=world_size, dist=dist, torch=torch,
                           display=_display)
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)  # for tracebacks
     tree = ast.parse(code, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     _DISPLAYS.clear()

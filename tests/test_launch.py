@@ -8,30 +8,15 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import gone, run_cell, wait_for_pids
+
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def workers_left() -> list[psutil.Process]:
-    """Descendants of this process, except multiprocessing's forkserver and resource tracker (kept up)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and not any(name in " ".join(p.cmdline()) for name in ("forkserver", "resource_tracker"))]
-
-
-@pytest.fixture(autouse=True)
-def no_orphans():
-    yield
-    deadline = time.monotonic() + 3
-    while workers_left() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert workers_left() == [], "worker processes were left behind"
 
 
 def rank_sum(rank, world_size, offset=0):
@@ -215,44 +200,6 @@ def test_torchrun_with_a_different_world_size_is_refused(tmp_path):
     assert "launch(world_size=4) but torchrun started WORLD_SIZE=2" in out.stderr
 
 
-@pytest.fixture
-def kernel():
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO))
-    yield km, kc
-    kc.stop_channels()
-    if km.is_alive():
-        km.shutdown_kernel(now=True)
-
-
-def run_cell(kc, code, timeout=60, msg_id=None):
-    """Execute code in the kernel (or follow the cell ``msg_id``) until idle; return (stdout, error name)."""
-    msg_id = msg_id or kc.execute(code)
-    text, ename = [], None
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            text.append(content["text"])
-        elif kind == "error":
-            ename = content["ename"]
-        elif kind == "status" and content["execution_state"] == "idle":
-            break
-    return "".join(text), ename
-
-
-def wait_for_pids(kc, msg_id, count, timeout=30):
-    pids, deadline = set(), time.monotonic() + timeout
-    while len(pids) < count and time.monotonic() < deadline:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id:
-            pids |= {int(w) for w in msg["content"]["text"].split() if w.isdigit() and int(w) > 100}
-    return pids
-
-
 SLEEPER = """
 import os, time
 from course_lib import launch
@@ -270,10 +217,7 @@ def test_jupyter_stop_button_stops_every_rank_and_the_kernel_stays_usable(kernel
     assert len(pids) == 3
     km.interrupt_kernel()  # what the stop button does: SIGINT to the kernel's process group
     assert run_cell(kc, None, msg_id=msg_id)[1] == "KeyboardInterrupt"
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "workers survived an interrupt"
-        time.sleep(0.1)
+    assert gone(pids), "workers survived an interrupt"
     out, ename = run_cell(kc, "print(launch(lambda rank, world_size: rank, 2))")
     assert ename is None and "[0, 1]" in out
 
@@ -284,7 +228,4 @@ def test_killing_the_kernel_takes_the_workers_with_it(kernel):
     pids = wait_for_pids(kc, msg_id, 3)
     assert len(pids) == 3
     km.shutdown_kernel(now=True)  # SIGKILL: no Python cleanup runs in the kernel
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "workers outlived their kernel"
-        time.sleep(0.1)
+    assert gone(pids), "workers outlived their kernel"

@@ -1,0 +1,81 @@
+"""Shared by the tests: no worker may outlive a test, and a real Jupyter kernel to drive like a learner."""
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def workers_left() -> list[psutil.Process]:
+    """Descendants of this process, except multiprocessing's forkserver and resource tracker (kept up)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and not any(name in " ".join(p.cmdline()) for name in ("forkserver", "resource_tracker"))]
+
+
+def gone(pids, within: float = 10) -> bool:
+    """Wait until none of ``pids`` is running (a zombie counts as gone)."""
+    deadline = time.monotonic() + within
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    yield
+    deadline = time.monotonic() + 3
+    while workers_left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers_left() == [], "worker processes were left behind"
+
+
+@pytest.fixture
+def kernel():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(REPO))
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=True)
+
+
+def run_cell(kc, code, timeout=60, msg_id=None):
+    """Execute ``code`` in the kernel (or follow the already sent cell ``msg_id``) until it is idle.
+
+    Returns (everything the cell showed as text, the error's name or None). A display that a cell updates
+    in place (as ``%%ranks`` does) counts once, with its final content.
+    """
+    msg_id = msg_id or kc.execute(code)
+    shown, ename = {}, None
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            shown[len(shown)] = content["text"]
+        elif kind in ("display_data", "update_display_data", "execute_result"):
+            key = content.get("transient", {}).get("display_id") or len(shown)
+            shown[key] = content["data"].get("text/plain", "")
+        elif kind == "error":
+            ename = content["ename"]
+            shown[len(shown)] = "\n".join(content["traceback"])
+        elif kind == "status" and content["execution_state"] == "idle":
+            return "\n".join(shown.values()), ename
+
+
+def wait_for_pids(kc, msg_id, count, timeout=30):
+    """Process ids that a running cell prints, one per line, until ``count`` of them arrived."""
+    pids, deadline = set(), time.monotonic() + timeout
+    while len(pids) < count and time.monotonic() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id:
+            pids |= {int(w) for w in msg["content"]["text"].split() if w.isdigit() and int(w) > 100}
+    return pids

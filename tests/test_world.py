@@ -1,0 +1,185 @@
+"""Persistent worlds: state between cells, pull/push, and faults that never hang the notebook.
+
+The first half drives the ``World`` API directly; the second drives the ``%%ranks`` magics in a real Jupyter
+kernel, the way a learner does (interrupts included).
+"""
+
+import time
+import psutil
+import pytest
+import torch
+
+from course_lib import RankError, RankTimeout, World
+
+from conftest import gone, run_cell
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(4) as w:
+        yield w
+
+
+def values(outcome):
+    return [r.value for r in outcome.results]
+
+
+def test_variables_persist_between_cells_and_collectives_work(world):
+    world.exec("x = torch.full((2,), float(rank))")
+    assert values(world.exec("x")) == [repr(torch.full((2,), float(r))) for r in range(4)]
+    assert values(world.exec("dist.all_reduce(x)\nx.tolist()")) == ["[6.0, 6.0]"] * 4
+
+
+def test_pull_and_push(world):
+    world.push(lr=0.25)
+    world.exec("y = torch.arange(3) * rank * lr")
+    pulled = world.pull("y")
+    assert [t.tolist() for t in pulled] == [[0.0, 0.25 * r, 0.5 * r] for r in range(4)]
+    with pytest.raises(RankError, match="has no variable 'nope'"):
+        world.pull("nope")
+
+
+def test_only_some_ranks_run_a_cell(world):
+    world.exec("mark = 'set'", ranks=[0, 2])
+    outcome = world.exec("globals().get('mark', 'unset')")
+    assert values(outcome) == ["'set'", "'unset'", "'set'", "'unset'"]
+    with pytest.raises(ValueError, match=r"ranks \[7\] do not exist: this world has ranks 0..3"):
+        world.exec("1", ranks=[7])
+
+
+def test_output_arrives_per_rank(world):
+    lines = []
+    world.exec("print('from', rank)", on_output=lambda rank, stream, line: lines.append((rank, line)))
+    assert sorted(lines) == [(r, f"from {r}\n") for r in range(4)]
+
+
+def test_an_error_on_one_rank_keeps_everyone_state(world):
+    world.exec("kept = rank * 10")
+    outcome = world.exec("if rank == 3:\n    raise KeyError('only three')\n")
+    assert outcome.world == "ok"  # nobody was left waiting: no repair needed
+    assert outcome.error.rank == 3 and "KeyError: 'only three'" in str(outcome.error)
+    assert "line 2" in outcome.error.remote_traceback
+    assert "raise KeyError('only three')" in outcome.error.remote_traceback  # the cell's own line
+    assert world.pull("kept") == [0, 10, 20, 30]
+
+
+def test_peers_blocked_in_all_reduce_when_a_rank_fails_are_freed_and_the_world_recovers(world):
+    world.exec("z = torch.ones(1) * (rank + 1)\nbefore = z.clone()")
+    start = time.monotonic()
+    outcome = world.exec("if rank == 1:\n    raise ValueError('rank one fails')\ndist.all_reduce(z)")
+    assert time.monotonic() - start < 10
+    assert outcome.error.rank == 1 and "ValueError: rank one fails" in str(outcome.error)
+    assert outcome.world == "recovered", outcome.note
+    assert "stuck in a collective" in outcome.note and "variables are kept" in outcome.note
+    assert [t.item() for t in world.pull("before")] == [1.0, 2.0, 3.0, 4.0]  # state kept
+    assert values(world.exec("w = torch.ones(1)\ndist.all_reduce(w)\nw.item()")) == ["4.0"] * 4  # new group works
+    assert world.status()["generation"] >= 1
+
+
+def test_a_collective_one_rank_skips_times_out_and_recovers(world):
+    start = time.monotonic()
+    outcome = world.exec("if rank != 2:\n    dist.barrier()", timeout=1)
+    assert time.monotonic() - start < 10
+    assert isinstance(outcome.error, RankTimeout) and outcome.error.ranks == [0, 1, 3]
+    assert "in barrier" in outcome.error.stacks[0]
+    assert outcome.world == "recovered"
+    assert values(world.exec("dist.barrier()\nrank")) == ["0", "1", "2", "3"]
+
+
+def test_a_rank_that_never_returns_is_interrupted(world):
+    world.exec("keep = rank")
+    outcome = world.exec("while True:\n    pass", timeout=1)
+    assert isinstance(outcome.error, RankTimeout) and outcome.error.ranks == [0, 1, 2, 3]
+    assert outcome.world == "ok"  # SIGINT reached the Python loop: nothing else to repair
+    assert world.pull("keep") == [0, 1, 2, 3]
+
+
+def test_a_rank_that_dies_restarts_the_world():
+    with World(2) as w:
+        old_pids = w.status()["pids"]
+        outcome = w.exec("import os\nif rank == 0:\n    os._exit(7)\ndist.barrier()")
+        assert outcome.error.rank == 0 and "exit code 7" in str(outcome.error)
+        assert outcome.world == "restarted" and "variables are lost" in outcome.note
+        status = w.status()
+        assert all(status["alive"]) and set(status["pids"]).isdisjoint(old_pids)
+        assert values(w.exec("dist.barrier()\nrank")) == ["0", "1"]
+    assert gone(old_pids)
+
+
+def test_a_syntax_error_is_raised_before_any_rank_runs(world):
+    with pytest.raises(SyntaxError):
+        world.exec("def broken(:\n")
+
+
+# --------------------------------------------------------------------- the magics, in a real kernel
+
+
+def test_ranks_magics_step_through_cells(kernel):
+    km, kc = kernel
+    text, err = run_cell(kc, "%load_ext course_lib\n%ranks start 2")
+    assert err is None and "2 ranks started (gloo)" in text
+    text, err = run_cell(kc, "%%ranks\ng = torch.ones(2) * (rank + 1)\nprint('grad before', g.tolist())\ng")
+    assert err is None
+    assert "── rank 0 ──\ngrad before [1.0, 1.0]\nOut: tensor([1., 1.])" in text
+    assert "── rank 1 ──\ngrad before [2.0, 2.0]\nOut: tensor([2., 2.])" in text
+    text, err = run_cell(kc, "%%ranks\ndist.all_reduce(g)\ng /= world_size")
+    assert err is None
+    text, err = run_cell(kc, "%ranks pull g\nprint([t.tolist() for t in g])")
+    assert err is None and "[[1.5, 1.5], [1.5, 1.5]]" in text
+    text, err = run_cell(kc, "scale = 4\n%ranks push scale")
+    text, err = run_cell(kc, "%%ranks --only 1\nprint(scale * rank)")
+    assert err is None and "── rank 1 ──\n4" in text and "rank 0" not in text
+    text, err = run_cell(kc, "%%ranks\nif rank == 0:\n    raise RuntimeError('rank zero is sad')\ndist.barrier()")
+    assert err == "RankError"
+    assert "rank 0: RuntimeError: rank zero is sad" in text
+    assert "Cell In[" in text and "line 3" in text and "raise RuntimeError('rank zero is sad')" in text
+    assert "The world recovered" in text
+    text, err = run_cell(kc, "%%ranks\ng")  # state survived
+    assert err is None and "Out: tensor([1.5000, 1.5000])" in text
+    text, err = run_cell(kc, "%ranks stop\n%ranks status")
+    assert "all ranks stopped" in text and "no ranks are running" in text
+    text, err = run_cell(kc, "%%ranks\n1")
+    assert "UsageError" in text and "%ranks start 4" in text
+    text, err = run_cell(kc, "%ranks start 3\n%ranks status")
+    assert err is None and text.count("alive") == 3
+
+
+def test_ranks_usage_errors_are_clear(kernel):
+    km, kc = kernel
+    run_cell(kc, "%load_ext course_lib\n%ranks start 2")
+    text, err = run_cell(kc, "%ranks frobnicate")
+    assert "UsageError" in text and "unknown; use one of start, stop, status, pull, push" in text
+    text, err = run_cell(kc, "%%ranks --only 0,x\n1")
+    assert "UsageError" in text and "--only '0,x'" in text
+    text, err = run_cell(kc, "%%ranks --only 5\n1")
+    assert "UsageError" in text and "ranks [5] do not exist" in text
+    text, err = run_cell(kc, "%ranks push not_defined_here")
+    assert "UsageError" in text and "no variable not_defined_here" in text
+    text, err = run_cell(kc, "%ranks start 0")
+    assert "UsageError" in text and "world_size=0" in text
+
+
+def test_the_stop_button_interrupts_every_rank_and_the_world_stays_usable(kernel):
+    km, kc = kernel
+    run_cell(kc, "%load_ext course_lib\n%ranks start 3")
+    run_cell(kc, "%%ranks\nx = torch.ones(1) * rank")
+    # rank 0 sleeps in Python; ranks 1 and 2 block in an all_reduce waiting for it
+    msg_id = kc.execute("%%ranks\nimport time\nif rank == 0:\n    time.sleep(60)\ndist.all_reduce(x)")
+    time.sleep(1.5)
+    start = time.monotonic()
+    km.interrupt_kernel()
+    text, err = run_cell(kc, None, msg_id=msg_id)
+    assert err == "KeyboardInterrupt"
+    assert time.monotonic() - start < 10
+    text, err = run_cell(kc, "%%ranks\nw = torch.ones(1)\ndist.all_reduce(w)\n(w.item(), rank)")
+    assert err is None and all(f"Out: (3.0, {r})" in text for r in range(3))
+
+
+def test_killing_the_kernel_leaves_no_ranks_behind(kernel):
+    km, kc = kernel
+    run_cell(kc, "%load_ext course_lib\n%ranks start 3")
+    text, _ = run_cell(kc, "%ranks status")
+    pids = [int(word) for word in text.split() if word.isdigit() and int(word) > 100]
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    km.shutdown_kernel(now=True)
+    assert gone(pids), "ranks outlived their kernel"
