@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+TICK_SECONDS = 0.2      # how often a waiting notebook looks up, e.g. to redraw grouped output
 DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, so a longer wait is a hang
 
 
@@ -169,6 +170,7 @@ class WorkerGroup:
         self.world_size = world_size
         self.backend = choose_backend(backend, world_size)
         self.on_output = on_output or _print_with_prefix
+        self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
         self._partial: dict[tuple[int, str], str] = {}
         # The rendezvous: this process hosts the store; port 0 lets the OS pick a free port.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -248,8 +250,10 @@ class WorkerGroup:
                 waiting = [r for r in ranks if r not in replies]
                 ready = multiprocessing.connection.wait(
                     [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting]
-                    + [reader for _, _, reader in self._outputs.values()], timeout=left)
+                    + [reader for _, _, reader in self._outputs.values()], timeout=min(left, TICK_SECONDS))
                 self._pump_output()
+                if self.on_tick is not None:
+                    self.on_tick()
                 for r in waiting:
                     if self.conns[r] in ready or self.procs[r].sentinel in ready:
                         replies[r] = self._receive(r)

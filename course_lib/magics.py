@@ -50,11 +50,16 @@ class GroupedOutput:
 
     def __init__(self, ranks: list[int], refresh_seconds: float = 0.2):
         self.lines = {r: [] for r in ranks}
-        self.display_id, self.refresh_seconds, self.last_draw = None, refresh_seconds, 0.0
+        self.display_id, self.refresh_seconds, self.last_draw, self.stale = None, refresh_seconds, 0.0, False
 
     def add(self, rank: int, stream: str, line: str) -> None:
         self.lines.setdefault(rank, []).append(line)
-        if time.monotonic() - self.last_draw > self.refresh_seconds:
+        self.stale = True
+        self.tick()
+
+    def tick(self) -> None:
+        """Redraw if lines arrived since the last drawing, at most every ``refresh_seconds``."""
+        if self.stale and time.monotonic() - self.last_draw > self.refresh_seconds:
             self.draw()
 
     def text(self) -> str:
@@ -69,7 +74,7 @@ class GroupedOutput:
             self.display_id = display(bundle, raw=True, display_id=True).display_id
         else:
             update_display(bundle, raw=True, display_id=self.display_id)
-        self.last_draw = time.monotonic()
+        self.last_draw, self.stale = time.monotonic(), False
 
 
 @magics_class
@@ -159,7 +164,7 @@ class RanksMagics(Magics):
         output = GroupedOutput(ranks)
         try:
             outcome = world.exec(code, ranks=ranks, timeout=options.timeout, filename=filename,
-                                 on_output=output.add)
+                                 on_output=output.add, on_tick=output.tick)
         except ValueError as err:
             raise UsageError(f"%%ranks: {err}")
         for result in outcome.results:

@@ -42,6 +42,13 @@ PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell,
 GRACE = 1.0  # seconds to wait for the other ranks after one failed, before deciding they are stuck
 
 
+class Interrupted(KeyboardInterrupt):
+    """The stop button stopped the ranks; the message says what became of the world."""
+
+    def _render_traceback_(self):  # IPython shows this instead of the frames of the machinery
+        return [f"KeyboardInterrupt: {self}"]
+
+
 @dataclass
 class RankResult:
     """What one rank's part of a cell produced."""
@@ -90,10 +97,11 @@ class World:
     # -------------------------------------------------------------------------------------------- cells
 
     def exec(self, code: str, *, ranks: list[int] | None = None, timeout: float = DEFAULT_TIMEOUT,
-             filename: str = "<ranks>", on_output=None) -> CellOutcome:
+             filename: str = "<ranks>", on_output=None, on_tick=None) -> CellOutcome:
         """Run ``code`` on ``ranks`` (default: all) in their namespaces; the last expression's repr is kept.
 
-        ``on_output(rank, stream, line)`` receives printed lines as they come. Rich outputs (``display(x)``,
+        ``on_output(rank, stream, line)`` receives printed lines as they come; ``on_tick()`` is called every
+        fraction of a second while the ranks work (to redraw, say). Rich outputs (``display(x)``,
         matplotlib figures) are kept from the lowest rank that ran. Never hangs: see the module docstring.
         """
         ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
@@ -102,12 +110,12 @@ class World:
             raise ValueError(f"ranks {bad} do not exist: this world has ranks 0..{self.world_size - 1}")
         compile(code, filename, "exec")  # a syntax error is the notebook's, before any rank runs anything
         relay = self.group.on_output
-        self.group.on_output = on_output or relay
+        self.group.on_output, self.group.on_tick = on_output or relay, on_tick
         try:
             self.group.submit(_run_cell, dict(code=code, filename=filename, display_rank=min(ranks)), ranks)
             return self._finish(ranks, timeout)
         finally:
-            self.group.on_output = relay
+            self.group.on_output, self.group.on_tick = relay, None
 
     def run(self, fn, *, ranks: list[int] | None = None, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         """Run ``fn(rank, world_size, **kwargs)`` on the live ranks (their processes and group are kept)."""
@@ -158,7 +166,8 @@ class World:
             _restore_sigint(old)
         outcome.timeout = timeout_error
         if interrupted:
-            raise KeyboardInterrupt(f"interrupted; the world {outcome.world}" + (f": {outcome.note}" if outcome.note else ""))
+            raise Interrupted(f"the ranks were interrupted; the world {outcome.world}"
+                              + (f": {outcome.note}" if outcome.note else ""))
         return outcome
 
     def _repair(self, ranks, replies, interrupt_first: bool) -> CellOutcome:
