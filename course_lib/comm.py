@@ -1,0 +1,234 @@
+"""Traced collectives: every byte a rank puts on the wire, counted per op.
+
+All parallel code in the course talks through a :class:`Comm`, a thin wrapper over one process group that
+records each collective it issues: the op, the group size p, the payload (the tensor's bytes n), the bytes a
+ring algorithm makes this rank *send*, and the time it took::
+
+    comm = Comm()                              # the default group; Comm(group) for a subgroup
+    with comm.trace() as log:
+        comm.all_reduce(grad)
+    log.summary()                              # {'all_reduce': OpTotals(count=1, payload_bytes=..., ...)}
+
+Bytes on the wire per rank, for a ring over p ranks (n = payload bytes, as nccl-tests counts it):
+
+    all_reduce       2(p-1)/p · n    reduce-scatter, then all-gather: each is (p-1) steps of n/p
+    reduce_scatter    (p-1)/p · n    n = the full input; each rank keeps n/p
+    all_gather        (p-1)/p · n    n = the full output; each rank contributes n/p
+    broadcast              n         pipelined along the ring: every rank but the last forwards n
+    send / recv            n / 0     the sender counts the bytes; the receiver sends nothing
+
+These factors are also nccl-tests' "bus bandwidth" factors: busbw = algbw × factor, with algbw = n / time, so
+busbw compares hardware across ops and sizes. :func:`measure_bandwidth` measures both; :class:`CostModel`
+fits time = α + n/β to the measurements and predicts a collective's time (used by later notebooks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+RING_FACTOR = {  # bytes sent per rank / payload bytes, for a ring over p ranks
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0 if p > 1 else 0.0,
+    "send": lambda p: 1.0,
+    "recv": lambda p: 0.0,
+}
+
+
+def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for ``op`` on ``payload_bytes`` over a ring of ``group_size`` ranks."""
+    if op not in RING_FACTOR:
+        raise ValueError(f"op={op!r}: known ops are {', '.join(RING_FACTOR)}")
+    if group_size < 1 or payload_bytes < 0:
+        raise ValueError(f"group_size={group_size} must be >= 1 and payload_bytes={payload_bytes} >= 0")
+    return RING_FACTOR[op](group_size) * payload_bytes
+
+
+@dataclass
+class Record:
+    op: str
+    group_size: int
+    payload_bytes: int
+    wire_bytes: float
+    seconds: float
+    start: float  # time.perf_counter() when the op began (for timelines)
+
+
+@dataclass
+class OpTotals:
+    count: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommLog:
+    """The collectives one rank issued inside a ``trace()`` block, in order."""
+    records: list[Record] = field(default_factory=list)
+
+    def summary(self) -> dict[str, OpTotals]:
+        totals = defaultdict(OpTotals)
+        for r in self.records:
+            t = totals[r.op]
+            t.count, t.payload_bytes = t.count + 1, t.payload_bytes + r.payload_bytes
+            t.wire_bytes, t.seconds = t.wire_bytes + r.wire_bytes, t.seconds + r.seconds
+        return dict(totals)
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(r.wire_bytes for r in self.records)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(r.payload_bytes for r in self.records)
+
+
+class Comm:
+    """Collectives over one process group (default: the whole world), each one recorded while tracing.
+
+    Async ops (``async_op=True``) are recorded when issued; their time is the time to *issue* them, and
+    ``Work.wait()`` is where a caller pays for them.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._logs: list[CommLog] = []
+
+    @contextmanager
+    def trace(self):
+        """Record every collective issued through this Comm inside the block (nested traces see them too)."""
+        log = CommLog()
+        self._logs.append(log)
+        try:
+            yield log
+        finally:
+            self._logs.remove(log)
+
+    def _record(self, op: str, payload_bytes: int, start: float) -> None:
+        if self._logs:
+            seconds = time.perf_counter() - start
+            record = Record(op, self.size, payload_bytes, wire_bytes(op, payload_bytes, self.size), seconds, start)
+            for log in self._logs:
+                log.records.append(record)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        self._record("all_reduce", _nbytes(tensor), start)
+        return work
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """``output`` (n/p elements) gets this rank's chunk of the sum of every rank's ``input`` (n)."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, output {output.numel()}; "
+                             f"the input must be exactly {self.size} (the group size) times the output")
+        start = time.perf_counter()
+        work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
+        self._record("reduce_scatter", _nbytes(input), start)
+        return work
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """``output`` (n elements) gets every rank's ``input`` (n/p), concatenated in rank order."""
+        if output.numel() != input.numel() * self.size:
+            raise ValueError(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
+                             f"the output must be exactly {self.size} (the group size) times the input")
+        start = time.perf_counter()
+        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+        self._record("all_gather", _nbytes(output), start)
+        return work
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """``src`` is a rank of this Comm's group."""
+        start = time.perf_counter()
+        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                              group=self.group, async_op=async_op)
+        self._record("broadcast", _nbytes(tensor), start)
+        return work
+
+    def send(self, tensor: torch.Tensor, dst: int):
+        start = time.perf_counter()
+        dist.send(tensor, dst=dst, group=self.group)
+        self._record("send", _nbytes(tensor), start)
+
+    def recv(self, tensor: torch.Tensor, src: int):
+        start = time.perf_counter()
+        dist.recv(tensor, src=src, group=self.group)
+        self._record("recv", _nbytes(tensor), start)
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+BUS_FACTOR = {op: RING_FACTOR[op] for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+
+
+def measure_bandwidth(comm: Comm, op: str = "all_reduce", sizes_bytes=(2**10, 2**14, 2**18, 2**22),
+                      repeats: int = 5, warmup: int = 2) -> list[dict]:
+    """nccl-tests style: for each size, the median time of ``op`` and its algbw and busbw (bytes/s).
+
+    Call on every rank of ``comm``'s group. algbw = n / t; busbw = algbw × bus factor (2(p-1)/p for
+    all_reduce, (p-1)/p for reduce_scatter and all_gather, 1 for broadcast), as nccl-tests define them.
+    """
+    if op not in BUS_FACTOR:
+        raise ValueError(f"op={op!r}: measure one of {', '.join(BUS_FACTOR)}")
+    rows = []
+    for size in sizes_bytes:
+        elements = max(comm.size, size // 4 // comm.size * comm.size)  # float32, divisible by the group
+        full = torch.ones(elements)
+        shard = torch.ones(elements // comm.size)
+        run = {"all_reduce": lambda: comm.all_reduce(full),
+               "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+               "all_gather": lambda: comm.all_gather(full, shard),
+               "broadcast": lambda: comm.broadcast(full)}[op]
+        times = []
+        for i in range(warmup + repeats):
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        seconds = sorted(times)[len(times) // 2]
+        algbw = full.numel() * 4 / seconds
+        rows.append({"op": op, "bytes": full.numel() * 4, "seconds": seconds, "algbw": algbw,
+                     "busbw": algbw * BUS_FACTOR[op](comm.size)})
+    return rows
+
+
+@dataclass
+class CostModel:
+    """time = alpha + wire_bytes / beta: a fixed latency per collective plus bytes over bandwidth.
+
+    ``fit`` takes rows of :func:`measure_bandwidth` (one op, one group size) and solves the least-squares
+    line through (wire bytes, seconds).
+    """
+    alpha: float  # seconds per collective, whatever its size (latency)
+    beta: float   # bytes per second each rank can send (bandwidth)
+
+    @classmethod
+    def fit(cls, rows: list[dict], group_size: int) -> CostModel:
+        xs = torch.tensor([wire_bytes(r["op"], r["bytes"], group_size) for r in rows], dtype=torch.float64)
+        ys = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
+        design = torch.stack([torch.ones_like(xs), xs], dim=1)
+        alpha, per_byte = torch.linalg.lstsq(design, ys[:, None]).solution.flatten().tolist()
+        return cls(alpha=max(alpha, 0.0), beta=1.0 / max(per_byte, 1e-30))
+
+    def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
+        return self.alpha + wire_bytes(op, payload_bytes, group_size) / self.beta
