@@ -28,14 +28,13 @@ import linecache
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .launch import (DEFAULT_TIMEOUT, PLUMBING_FILES, RankError, RankTimeout, WorkerGroup, _ignore_sigint,
-                     _restore_sigint, init_group)
+from .workers import (DEFAULT_TIMEOUT, PLUMBING_FILES, RankError, RankTimeout, WorkerGroup, _ignore_sigint,
+                      _restore_sigint, init_group)
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 

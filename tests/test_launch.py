@@ -75,7 +75,7 @@ def test_a_failing_rank_is_named_with_its_traceback_while_peers_wait_in_a_collec
     assert "ValueError: rank two is unhappy" in str(err)
     assert 'raise ValueError("rank two is unhappy")' in err.remote_traceback  # the source line itself
     assert "fail_on_two" in err.remote_traceback
-    assert "course_lib/launch.py" not in err.remote_traceback  # only the learner's frames
+    assert "course_lib/workers.py" not in err.remote_traceback  # only the learner's frames
 
 
 def test_a_rank_that_dies_without_a_word_is_named_with_its_exit():

@@ -1,0 +1,462 @@
+"""The machinery under ``launch`` and ``World``: N worker processes that run task after task.
+
+The parent (the notebook's kernel) keeps, per rank, a duplex pipe for tasks and replies and two byte pipes
+that carry the rank's file descriptors 1 and 2. A task is a cloudpickled ``(fn, kwargs, cell sources)``; a
+reply is ``("ok", value)`` or ``("error", when, summary, traceback)``. ``launch.py`` explains the choices
+(forkserver, cloudpickle, the store on port 0, faults); this module is how they are done.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import io
+import linecache
+import multiprocessing.connection
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+import types
+from typing import Callable
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TICK_SECONDS = 0.2      # how often a waiting notebook looks up, e.g. to redraw grouped output
+DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, so a longer wait is a hang
+
+
+class RankError(RuntimeError):
+    """A rank failed. ``rank`` names it; ``remote_traceback`` is its traceback as text."""
+
+    def __init__(self, rank: int, summary: str, remote_traceback: str = "", when: float = 0.0):
+        self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
+        self.when = when  # time.monotonic() when it happened (one clock for the whole machine)
+        text = f"rank {rank}: {summary}"
+        if remote_traceback:
+            text += f"\n\n--- traceback of rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+    def _render_traceback_(self):
+        """What IPython shows: the rank's own traceback, not the launcher's frames that relayed it."""
+        return [f"{type(self).__name__}: {self}"]
+
+
+class RankTimeout(RankError):
+    """Some ranks did not finish in time. ``ranks`` lists them; ``stacks`` maps each to where it was."""
+
+    def __init__(self, ranks: list[int], timeout: float, stacks: dict[int, str]):
+        self.ranks, self.stacks = ranks, stacks
+        RuntimeError.__init__(self, f"ranks {ranks} did not finish within {timeout:g} s (a collective that "
+                              "not every rank called, or a loop that never ends?)\n\n" + "\n".join(
+                                  f"--- where rank {r} was ---\n{stacks.get(r, '(no stack)').rstrip()}" for r in ranks))
+        self.rank, self.summary, self.remote_traceback, self.when = ranks[0], "timeout", "", 0.0
+
+
+def choose_backend(backend: str | None, ranks_per_node: int) -> str:
+    """gloo on CPU, NCCL when every local rank can have a GPU of its own; an explicit choice wins."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= ranks_per_node else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
+    if backend == "nccl" and gpus < ranks_per_node:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks_per_node} ranks, {gpus} GPUs visible")
+    return backend
+
+
+
+
+def _context():
+    """The forkserver context, with torch imported once in the server (set before it first starts)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])  # this module
+    return ctx
+
+
+class WorkerGroup:
+    """``world_size`` worker processes in one process group, ready to run functions.
+
+    ``run(fn, kwargs)`` runs ``fn(rank, world_size, **kwargs)`` on every rank (or on ``ranks``) and
+    returns the results in rank order. ``on_output(rank, stream, text)`` receives each complete line a
+    rank prints (default: write it here with a ``[rank r]`` prefix). ``close()`` kills every worker.
+    With ``exit_after_error`` a rank that raised exits (its peers then fail fast instead of waiting in a
+    collective); otherwise it keeps its state and waits for the next task.
+    """
+
+    def __init__(self, world_size: int, *, backend: str | None = None, exit_after_error: bool = True,
+                 on_output: Callable[[int, str, str], None] | None = None):
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: it must be a whole number of ranks, at least 1")
+        self.world_size = world_size
+        self.backend = choose_backend(backend, world_size)
+        self.on_output = on_output or _print_with_prefix
+        self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
+        self._partial: dict[tuple[int, str], str] = {}
+        # The rendezvous: this process hosts the store; port 0 lets the OS pick a free port.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store_port = self._store.port
+        cpus = len(os.sched_getaffinity(0))
+        threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
+        ctx = _context()
+        self.procs, self.conns, self._outputs, self._busy = [], [], {}, False
+        self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
+        for rank in range(world_size):
+            conn, child_conn = ctx.Pipe()
+            out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
+            err_r, err_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
+                rank, world_size, self.backend, self.store_port, threads, exit_after_error,
+                child_conn, out_w, err_w))
+            with _main_module_hidden():
+                proc.start()
+            for end in (child_conn, out_w, err_w):  # the worker holds these now
+                end.close()
+            for stream, reader in (("stdout", out_r), ("stderr", err_r)):
+                os.set_blocking(reader.fileno(), False)
+                self._outputs[reader.fileno()] = (rank, stream, reader)
+            self.procs.append(proc)
+            self.conns.append(conn)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self.procs]
+
+    def run(self, fn: Callable, kwargs: dict | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+            ranks: list[int] | None = None) -> list:
+        """Run ``fn`` on ``ranks`` (default: all) and return their results, in rank order.
+
+        Raises the earliest :class:`RankError` as soon as a rank fails, or :class:`RankTimeout`.
+        """
+        ranks = list(range(self.world_size)) if ranks is None else sorted(ranks)
+        self.submit(fn, kwargs, ranks)
+        replies = self.collect(ranks, timeout=timeout, stop_at_error=True)
+        hung = [r for r in ranks if r not in replies]
+        errors = [reply for reply in replies.values() if reply[0] == "error"]
+        if errors:
+            raise min(errors, key=lambda reply: reply[1])[2]  # the earliest error is the cause
+        if hung:
+            raise RankTimeout(hung, timeout, self.stacks_of(hung))
+        self._busy = False
+        return [replies[r][1] for r in ranks]
+
+    def submit(self, fn: Callable, kwargs: dict | None, ranks: list[int]) -> None:
+        """Send ``fn(rank, world_size, **kwargs)`` to ``ranks``; ``collect`` gathers the replies."""
+        sources = {name: entry for name, entry in _interactive_sources().items() if name not in self._sent_sources}
+        self._sent_sources.update(sources)
+        task = _dumps((fn, kwargs or {}, sources))
+        self._busy = True
+        for r in ranks:
+            self.conns[r].send_bytes(task)
+
+    def collect(self, ranks: list[int], *, timeout: float, stop_at_error: bool) -> dict:
+        """Wait for the replies of ``ranks``, relaying their output meanwhile.
+
+        Returns {rank: ("ok", value) or ("error", when, RankError)} for the ranks that replied: all of them,
+        or fewer if ``timeout`` ran out or (with ``stop_at_error``) once a rank failed.
+        """
+        replies = {}
+        failed = lambda: any(reply[0] == "error" for reply in replies.values())  # noqa: E731
+        deadline = time.monotonic() + timeout
+        try:
+            while len(replies) < len(ranks) and not (stop_at_error and failed()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waiting = [r for r in ranks if r not in replies]
+                ready = multiprocessing.connection.wait(
+                    [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting]
+                    + [reader for _, _, reader in self._outputs.values()], timeout=min(left, TICK_SECONDS))
+                self._pump_output()
+                if self.on_tick is not None:
+                    self.on_tick()
+                for r in waiting:
+                    if self.conns[r] in ready or self.procs[r].sentinel in ready:
+                        replies[r] = self._receive(r)
+            if stop_at_error and failed():
+                time.sleep(0.05)  # peers that were waiting on the failed rank report (or die) too
+                for r in ranks:
+                    if r not in replies and (self.conns[r].poll() or not self.procs[r].is_alive()):
+                        replies[r] = self._receive(r)
+        finally:
+            self._pump_output()
+            self._flush_partial_lines()
+        return replies
+
+    def _receive(self, rank):
+        """Read the reply of ``rank``: ("ok", value), or ("error", when it happened, RankError)."""
+        try:
+            kind, *payload = cloudpickle.loads(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):  # the process is gone without a word
+            self.procs[rank].join(timeout=1)
+            code = _describe_exit(self.procs[rank].exitcode)
+            # A silent death comes before the errors it causes in its peers: rank it first (time 0).
+            return "error", 0.0, RankError(rank, f"the process died (exit code {code}) without reporting an error")
+        if kind == "ok":
+            return "ok", payload[0]
+        when, summary, tb = payload
+        return "error", when, RankError(rank, summary, _name_cells(tb), when)
+
+    def stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each hung rank to print its Python stack (faulthandler on SIGUSR1) and collect the text."""
+        captured = {r: [] for r in ranks}
+        relay = self.on_output
+        self.on_output = lambda r, stream, line: captured[r].append(line) if r in captured else relay(r, stream, line)
+        try:
+            for r in ranks:
+                if self.procs[r].is_alive():
+                    os.kill(self.procs[r].pid, signal.SIGUSR1)
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                multiprocessing.connection.wait([o[2] for o in self._outputs.values()], timeout=0.05)
+                self._pump_output()
+            self._flush_partial_lines()
+        finally:
+            self.on_output = relay
+        return {r: _name_cells(_user_frames("".join(lines))) for r, lines in captured.items()}
+
+    def _pump_output(self):
+        """Move whatever the ranks printed into ``on_output``, one complete line at a time."""
+        for fd, (rank, stream, _) in list(self._outputs.items()):
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except (BlockingIOError, OSError):
+                    break
+                if not chunk:  # the rank closed its end: it has exited
+                    del self._outputs[fd]
+                    break
+                text = self._partial.pop((rank, stream), "") + chunk.decode(errors="replace")
+                *lines, rest = text.split("\n")
+                for line in lines:
+                    self.on_output(rank, stream, line + "\n")
+                if rest:
+                    self._partial[(rank, stream)] = rest
+
+    def _flush_partial_lines(self):
+        for (rank, stream), rest in list(self._partial.items()):
+            self.on_output(rank, stream, rest + "\n")
+        self._partial.clear()
+
+    def close(self):
+        """Stop every worker and everything it started; safe to call twice."""
+        old = _ignore_sigint()  # a second press of Jupyter's stop button must not leave orphans
+        try:
+            for conn in self.conns:
+                conn.close()  # a worker waiting for a task sees EOF and exits by itself
+            end = time.monotonic() + (0.0 if self._busy else 1.0)  # a busy one (error, interrupt) is killed
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, end - time.monotonic()))
+            for proc in self.procs:
+                if proc.is_alive():
+                    _kill_tree(proc.pid)
+                proc.join()
+            for _, _, reader in self._outputs.values():
+                reader.close()
+            self._outputs.clear()
+        finally:
+            _restore_sigint(old)
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
+    We ship code by value, so skip it: faster, and it works from ``python -c``, stdin, or a script
+    without an ``if __name__ == "__main__"`` guard."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _print_with_prefix(rank: int, stream: str, line: str) -> None:
+    (sys.stderr if stream == "stderr" else sys.stdout).write(f"[rank {rank}] {line}")
+
+
+def _describe_exit(code) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"{code}, killed by {name}{hint}"
+    return str(code)
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _ignore_sigint():
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to change
+        return None
+
+
+def _restore_sigint(old):
+    if old is not None:
+        signal.signal(signal.SIGINT, old)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, except that code keeps its file name (cloudpickle writes '<dynamic-code>'), so a
+    rank's traceback can show the lines of the notebook cell or script the code came from."""
+
+    dispatch_table = collections.ChainMap({types.CodeType: lambda code: _keep_filename(code)},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def _keep_filename(code):
+    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    return make, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def _user_frames(stack: str) -> str:
+    """A faulthandler dump, cut where the learner's code was called from this module."""
+    lines = stack.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if any(f'"{path}"' in line for path in PLUMBING_FILES):
+            return "".join(lines[:i])
+    return stack
+
+
+def _name_cells(text: str) -> str:
+    """In a notebook, write 'Cell In[3]' (as IPython does) instead of the kernel's temporary file name."""
+    try:
+        from IPython import get_ipython
+        compiler = get_ipython().compile
+    except (ImportError, AttributeError):
+        return text
+    for filename in set(re.findall(r'File "([^"]+)"', text)):
+        cell = compiler.format_code_name(filename) if hasattr(compiler, "format_code_name") else None
+        if cell:
+            text = text.replace(f'File "{filename}"', " ".join(cell))
+    return text
+
+
+def _interactive_sources() -> dict:
+    """Source lines of code typed into notebook cells (IPython keeps them in ``linecache`` only)."""
+    return {name: entry for name, entry in linecache.cache.items()
+            if len(entry) == 4 and entry[1] is None and not os.path.exists(name)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inside a worker process
+
+
+def _worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w):
+    os.setpgrp()  # Jupyter's stop button signals the kernel's process group; ours is separate
+    _die_with_parent()
+    for fd, end in ((1, out_w), (2, err_w)):
+        os.dup2(end.fileno(), fd)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), line_buffering=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MPLBACKEND="Agg")  # figures go to the notebook
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        init_group(rank, world_size, backend, store_port)
+    except Exception as exc:  # report a failed start like any other error
+        _reply_error(conn, exc)
+        return
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except KeyboardInterrupt:
+            continue  # an interrupt meant for a task that had just finished
+        except (EOFError, OSError):
+            break  # the notebook closed the group
+        try:
+            fn, kwargs, sources = cloudpickle.loads(task)
+            linecache.cache.update(sources)  # so tracebacks show the notebook cell's lines
+            value = fn(rank, world_size, **kwargs)
+            reply = cloudpickle.dumps(("ok", _to_cpu(value)))
+        except BaseException as exc:  # KeyboardInterrupt too: the notebook should hear about it
+            _reply_error(conn, exc)
+            if exit_after_error:
+                os._exit(1)  # closing our sockets makes peers blocked in a collective fail fast
+            continue
+        _send_uninterrupted(conn, reply)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:
+    """Join the process group through the notebook's store. A rebuilt group (after a failure left the old
+    one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
+    store = dist.PrefixStore(f"generation{generation}", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT * 5))
+
+
+def _send_uninterrupted(conn, data: bytes) -> None:
+    """Send a reply whole: an interrupt in the middle of it would garble the pipe."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        conn.send_bytes(data)
+    except (OSError, ValueError):
+        pass  # the notebook has gone
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _reply_error(conn, exc: BaseException) -> None:
+    when = time.monotonic()  # one clock for all processes on this machine: the earliest error is the cause
+    summary = f"{type(exc).__name__}: {exc}"
+    tb = "".join(traceback.format_exception(type(exc), exc, _skip_own_frames(exc.__traceback__)))
+    _send_uninterrupted(conn, cloudpickle.dumps(("error", when, summary, tb)))
+
+
+PLUMBING_FILES = {__file__}  # modules whose frames a learner need not see (world.py adds itself)
+
+
+def _skip_own_frames(tb):
+    """Start the traceback at the learner's code, not at the worker loop that called it."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in PLUMBING_FILES and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def _to_cpu(value):
+    """Results travel to the notebook, which may have no GPU: bring tensors home first."""
+    return torch.utils._pytree.tree_map(
+        lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _die_with_parent() -> None:
+    """Linux: if our parent dies (the kernel is killed), the OS kills us too."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
