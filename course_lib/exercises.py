@@ -44,3 +44,162 @@ def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
             return False
     print(f"✓ correct: all {world_size} ranks hold the mean {expected.tolist()}")
     return True
+
+
+def check_mlp_saved_bytes(mlp_saved_bytes) -> bool:
+    """01: ``mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_per_value)`` must predict the
+    bytes the course's SwiGLU MLP saves for backward, given an input that requires grad. Checked against a
+    measurement (SavedActivations) at several shapes and two precisions."""
+    from .ledger import SavedActivations
+    from .model import MLP, preset
+
+    trials = [(2, 8, 16, 32, torch.float32), (3, 5, 64, 96, torch.bfloat16), (1, 1, 16, 8, torch.float32),
+              (4, 16, 32, 128, torch.bfloat16)]
+    for batch_size, seq_len, hidden, intermediate, dtype in trials:
+        mlp = MLP(preset("tiny", hidden=hidden, intermediate=intermediate)).to(dtype)
+        x = torch.randn(batch_size, seq_len, hidden, dtype=dtype, requires_grad=True)
+        with SavedActivations(mlp) as saved:
+            mlp(x)
+        e = x.element_size()
+        try:
+            answer = mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, e)
+        except NotImplementedError:
+            print("Not done yet: replace `raise NotImplementedError` with your formula, then run this cell again.")
+            return False
+        if answer != saved.bytes:
+            shape = f"batch {batch_size}, seq {seq_len}, hidden {hidden}, intermediate {intermediate}, {e} bytes/value"
+            print(f"✗ for {shape}: you predicted {answer}, measured {saved.bytes} bytes")
+            tokens = batch_size * seq_len
+            if answer == 4 * tokens * intermediate * e:
+                print("  hint: the input x is saved too (gate_proj and up_proj both need it: one storage)")
+            elif answer == tokens * hidden * e + 3 * tokens * intermediate * e:
+                print("  hint: down_proj saves its own input, silu(gate)·up: a fourth b·s·intermediate tensor")
+            elif answer == 2 * tokens * hidden * e + 4 * tokens * intermediate * e:
+                print("  hint: gate_proj and up_proj save the same x: count that storage once")
+            return False
+    print(f"✓ correct at all {len(trials)} shapes: b·s·h·e for the input, 4·b·s·I·e for gate, up, silu(gate), "
+          "silu(gate)·up")
+    return True
+
+
+def check_copy_to_tp_region(MyCopy) -> bool:
+    """04: ``MyCopy`` must be Megatron's f as a torch.autograd.Function: ``MyCopy.apply(x, comm)`` returns x
+    unchanged (no communication) and its backward all-reduces the gradient with ``comm.all_reduce`` (one
+    call). Checked on 2 ranks in front of a column-parallel layer, against the dense layer's input gradient."""
+    from .comm import Comm
+
+    def trial(rank, world_size):
+        torch.manual_seed(0)                              # the same x and dense W on every rank
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(4, 6, dtype=torch.float64)
+        (x @ weight).sin().sum().backward()               # the dense layer's input gradient
+        dense_grad = x.grad.clone()
+        x.grad = None
+        comm = Comm()
+        columns = weight.chunk(world_size, dim=1)[rank]  # this rank's columns W_i
+        with comm.trace() as forward:
+            y = MyCopy.apply(x, comm)
+        identity = isinstance(y, torch.Tensor) and torch.equal(y, x)
+        with comm.trace() as backward:
+            (y @ columns).sin().sum().backward()          # only this rank's share of dL/dx
+        local_grad = (torch.cos(x.detach() @ columns) @ columns.T)
+        return (identity, len(forward.records), len(backward.records), x.grad, dense_grad, local_grad)
+
+    try:
+        results = launch(trial, 2, timeout=30)
+    except RankError as err:
+        if _unfinished(err):
+            print("Not done yet: fill in forward and backward of your Function, then run this cell again.")
+            return False
+        print(f"Your Function failed on {err}")
+        return False
+    for rank, (identity, forward_count, backward_count, grad, dense_grad, local_grad) in enumerate(results):
+        if not identity:
+            print(f"✗ rank {rank}: forward must return x unchanged (f is the identity going forward)")
+            return False
+        if forward_count:
+            print(f"✗ rank {rank}: your forward sent {forward_count} collective(s); f communicates only backward")
+            return False
+        if grad is not None and torch.allclose(grad, local_grad):
+            print(f"✗ rank {rank}: the input gradient is only this rank's share X·W_i's part: dX = Σ_i dY_i·W_iᵀ "
+                  "needs the other ranks' terms. All-reduce the gradient in backward")
+            return False
+        if backward_count != 1:
+            print(f"✗ rank {rank}: backward made {backward_count} traced collectives; make exactly one, with "
+                  "comm.all_reduce (dist.all_reduce is not traced)")
+            return False
+        if grad is None or not torch.allclose(grad, dense_grad, rtol=0, atol=1e-12):
+            print(f"✗ rank {rank}: the input gradient differs from the dense layer's (sum, not mean; return "
+                  "(grad, None): one value per input of forward)")
+            return False
+    print("✓ correct: identity forward, one all-reduce backward, and the input gradient equals the dense layer's")
+    return True
+
+
+def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbatches: int = 3) -> bool:
+    """02: ``accumulation_step(ddp, optimizer, micro_batches, loss_fn)`` must run one optimizer step of
+    gradient accumulation on a ``course_lib.ddp.BucketedDDP``: every micro-batch's forward and backward,
+    gradients all-reduced once (after the last micro-batch), then the update. Checked on ``world_size`` ranks
+    against one process on the global batch, and by counting the all-reduces it issued."""
+    from .comm import Comm
+    from .ddp import BucketedDDP
+
+    def trial(rank, world_size):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        comm = Comm()
+        ddp = BucketedDDP(model, comm, bucket_bytes=256)       # a few buckets
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        data = torch.Generator().manual_seed(1)
+        rows = [(torch.randn(2 * world_size, 8, generator=data), torch.randn(2 * world_size, 4, generator=data))
+                for _ in range(num_microbatches)]                # every micro-batch of every rank
+        mine = [(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]) for x, y in rows]
+        with comm.trace() as log:
+            accumulation_step(ddp, optimizer, mine, torch.nn.functional.mse_loss)
+        calls = log.summary().get("all_reduce")
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return params, calls.count if calls else 0, len(ddp.buckets), rows
+
+    try:
+        results = launch(trial, world_size, timeout=60)
+    except RankError as err:
+        if _unfinished(err):
+            print("Not done yet: replace `raise NotImplementedError` with your code, then run this cell again.")
+            return False
+        print(f"Your function failed on {err}")
+        return False
+
+    def one_process(divide: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        rows = results[0][3]
+        x, y = torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1 if divide else num_microbatches)
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    params, count, buckets, _ = results[0]
+    if count == num_microbatches * buckets:
+        print(f"✗ {count} all-reduces: you synced after every one of the {num_microbatches} micro-batches. Run the "
+              "inner ones inside `with ddp.no_sync():` so only the last backward sends the summed gradients.")
+        return False
+    if count == 0:
+        print("✗ no all-reduce at all: the last micro-batch must run outside no_sync(), and "
+              "ddp.finish_gradient_sync() must come before optimizer.step()")
+        return False
+    if any(not torch.equal(other[0], params) for other in results[1:]):
+        print("✗ the ranks ended with different weights: call ddp.finish_gradient_sync() before optimizer.step()")
+        return False
+    # 1e-6: the same sums in another order (fp32), on weights of size ~1; a wrong scale is off by ~1e-2
+    if torch.allclose(params, one_process(divide=False), atol=1e-6) and num_microbatches > 1:
+        print(f"✗ the gradient is {num_microbatches}x too large: divide each micro-batch's loss by the number of "
+              "micro-batches, so that the summed gradients are the gradient of the mean loss")
+        return False
+    if not torch.allclose(params, one_process(divide=True), atol=1e-6):
+        print("✗ the weights differ from one process training on the whole global batch (did you zero the "
+              "gradients once, before the first micro-batch, and step once, after the sync?)")
+        return False
+    print(f"✓ correct: {count} all-reduce(s) for {num_microbatches} micro-batches ({buckets} buckets, one sync), "
+          f"and the same weights as one process on all {num_microbatches * 2 * world_size} rows")
+    return True

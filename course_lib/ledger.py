@@ -14,8 +14,9 @@ Adam in mixed precision (the ZeRO paper's convention, and the source's "16 bytes
     total     16 bytes/param            7.1e9 params × 16 = 113.6e9 bytes = 105.8 GiB
 
 Other conventions give other splits (see CONVENTIONS): plain fp32 Adam is 4 + 4 + 8 = 16 as well, but only
-8 of it is optimizer state; keeping an fp32 gradient buffer for accumulation across micro-batches
-(Megatron-LM with fp16 weights) adds 4 bytes: 2 + 6 + 12 = 20.
+8 of it is optimizer state; keeping an fp32 copy of the gradients for accumulation across micro-batches
+adds 4 bytes: 2 + 6 + 12 = 20 (Megatron-LM, whose distributed optimizer shards that copy together with the
+optimizer state: 4 + 16/N per rank, where the stages below would say 2 + 6 + 12/N).
 
 ZeRO splits the same three parts over the N data-parallel ranks, one more part per stage:
 
@@ -108,15 +109,21 @@ class Convention(NamedTuple):
     def total(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
+    @property
+    def per_param(self) -> dict[str, int]:
+        """The keyword arguments of zero_state_bytes: zero_state_bytes(P, 0, 1, **convention.per_param)."""
+        return {"weight_bytes": self.weight_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes}
+
 
 CONVENTIONS = {
     "mixed": Convention(2, 2, 12, "mixed-precision Adam: 16-bit weights and grads; fp32 master weights, m and v "
                                   "(ZeRO paper, the source's 16 bytes/param)"),
     "fp32": Convention(4, 4, 8, "fp32 Adam: fp32 weights and grads; fp32 m and v (no master copy needed)"),
-    "bf16+fp32 grads": Convention(2, 4, 12, "bf16 weights; backward accumulates straight into fp32 gradients "
-                                            "(Megatron-LM's bf16 default, 18 bytes/param)"),
-    "fp32 grad accumulation": Convention(2, 2 + 4, 12, "fp16 weights and grads, plus an fp32 gradient buffer "
-                                                       "summed over micro-batches (Megatron-LM with fp16, 20 bytes/param)"),
+    "bf16+fp32 grads": Convention(2, 4, 12, "16-bit weights; backward accumulates straight into fp32 gradients "
+                                            "(Megatron-LM's table: 16-bit params, fp32 grads, 18 bytes/param)"),
+    "fp32 grad accumulation": Convention(2, 2 + 4, 12, "16-bit weights and grads, plus an fp32 copy of the grads "
+                                                       "summed over micro-batches (Megatron-LM's table: 20 bytes/param)"),
 }
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -166,6 +173,7 @@ def deepspeed_estimate(num_params, stage: int, world_size: int, largest_layer_pa
     num_params = _count("num_params", num_params)
     world_size = _count("world_size", world_size, minimum=1)
     largest_layer_params = _count("largest_layer_params", largest_layer_params)
+    # Float division truncated to an integer, as DeepSpeed computes it.
     if stage == 2:
         return 4 * num_params + int(16 * num_params / world_size)
     if stage == 3:
@@ -230,6 +238,22 @@ def activation_bytes(seq_len: int, batch_size: int, hidden: int, heads: int, num
 
 
 PREDICTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The terms of gpt_activation_bytes, for display: formula (b batch, s sequence, d hidden, I intermediate,
+# L layers, n_h heads, h_d head_dim, V vocabulary, e bytes per value) and what is saved.
+GPT_ACTIVATION_TERMS = {
+    "embed": ("b·s·8", "token ids (int64)"),
+    "attn_norm": ("L·(2·bsd·4 + bs·4)", "RMSNorm, in fp32: its input, x·rstd, and rstd"),
+    "attn.q_proj": ("L·bsd·e", "normed x, one storage for the q, k, v projections"),
+    "attn": ("L·(4·bsd·e + b·n_h·s·4 + 8·s·h_d)", "SDPA's q, k, v, output, log-sum-exp; rotary cos/sin"),
+    "mlp_norm": ("L·(2·bsd·4 + bs·4)", "RMSNorm, in fp32: its input, x·rstd, and rstd"),
+    "mlp.gate_proj": ("L·bsd·e", "normed x, one storage for the gate and up projections"),
+    "mlp": ("L·3·bsI·e", "gate and up outputs, silu(gate)"),
+    "mlp.down_proj": ("L·bsI·e", "silu(gate)·up"),
+    "norm": ("2·bsd·4 + bs·4", "final RMSNorm, as above"),
+    "head": ("bsd·e", "normed x"),
+    "loss": ("bsV·4 + bs·8 + 4", "fp32 log-probabilities, target ids, weight sum"),
+}
 
 
 def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32,
@@ -296,7 +320,7 @@ def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     {"weights", "grads", "optimizer", "step_counters", "total"}: parameters; their .grad; the optimizer's
     per-element state (tensors with at least one dimension); its 0-dimensional state, such as the float32
     `step` torch's Adam keeps for every parameter tensor. Buffers are not training state and not counted
-    (the course's model has none).
+    (the course's model has none). Call it after a step: torch's optimizers make their state at step 1.
     """
     seen = set()
     state = {"weights": 0, "grads": 0, "optimizer": 0, "step_counters": 0}
@@ -313,6 +337,8 @@ def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     for param in params:
         if param.grad is not None:
             add("grads", param.grad)
+    # torch's ZeroRedundancyOptimizer keeps this rank's state in the optimizer it wraps, `.optim`.
+    optimizer = getattr(optimizer, "optim", optimizer)
     if optimizer is not None:
         for param_state in optimizer.state.values():
             for value in param_state.values():
@@ -378,7 +404,11 @@ class SavedActivations:
         """by_module with the layer index dropped ("layers.3.attn" → "attn"), summed over layers."""
         kinds: dict[str, int] = {}
         for name, nbytes in self.by_module.items():
-            kind = name.split(".", 2)[2] if name.startswith("layers.") else name
+            parts = name.split(".", 2)
+            if parts[0] == "layers":
+                kind = parts[2] if len(parts) == 3 else "block"   # "layers.3" itself: saved by Block.forward
+            else:
+                kind = name
             kinds[kind] = kinds.get(kind, 0) + nbytes
         return kinds
 

@@ -39,3 +39,258 @@ def learning_rate_explorer(rates=LEARNING_RATES, value=1e-2, steps=40):
     panel = widgets.VBox([slider, out])
     panel.curves = curves  # what was trained, for a notebook cell to inspect
     return panel
+
+
+# ---- 01 · the memory ledger ---------------------------------------------------------------------------
+
+def _explorer_configs():
+    """Models of the memory explorer: the course presets, and TinyLlama-1.1B's published config as "1B"."""
+    from .model import ModelConfig, preset
+    long = 1 << 16       # allow every sequence length of the slider; it changes no parameter count
+    return {
+        "tiny": preset("tiny", max_seq_len=long),
+        "1B (TinyLlama-1.1B)": ModelConfig(vocab_size=32000, hidden=2048, num_layers=22, num_heads=32,
+                                           num_kv_heads=4, intermediate=5632, max_seq_len=long),
+        "Llama-2-7B": preset("llama2-7b", max_seq_len=long),
+        "Llama-2-70B": preset("llama2-70b", max_seq_len=long),
+    }
+
+
+def _custom_config(hidden: int, num_layers: int):
+    """A Llama-shaped model: heads of 128, SwiGLU width 8/3·hidden rounded up to a multiple of 256."""
+    from .model import ModelConfig
+    intermediate = -(-8 * hidden // 3 // 256) * 256
+    return ModelConfig(vocab_size=32000, hidden=hidden, num_layers=num_layers, num_heads=max(1, hidden // 128),
+                       intermediate=intermediate, max_seq_len=1 << 16)
+
+
+GPUS = {"24 GiB (RTX 4090)": 24 * 2**30, "40 GiB (A100 40GB)": 40 * 2**30, "80 GiB (A100 80GB)": 80 * 2**30}
+
+
+def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_len=4096, recompute="none",
+                    gpu="80 GiB (A100 80GB)"):
+    """Model, precision convention, batch, sequence length, recomputation → training memory on one GPU.
+
+    Two bars: the course model's activations (gpt_activation_bytes: SDPA never stores the s×s scores, so
+    "selective" changes nothing there) and the GPT-3 formula's (activation_bytes, 16-bit, with the s² term
+    unless recomputed). Weights, grads and optimizer state are the same in both: zero_state_bytes, stage 0.
+    """
+    import torch
+    from .ledger import CONVENTIONS, GiB, activation_bytes, gpt_activation_bytes, zero_state_bytes
+    from .model import param_count_formula
+
+    configs = _explorer_configs()
+    def powers(lo, hi):
+        return [2**k for k in range(lo, hi + 1)]
+
+    controls = {
+        "model": widgets.Dropdown(options=[*configs, "custom"], value=model, description="model"),
+        "hidden": widgets.SelectionSlider(options=powers(9, 14), value=4096, description="custom hidden"),
+        "layers": widgets.IntSlider(value=32, min=1, max=128, description="custom layers"),
+        "convention": widgets.Dropdown(options=list(CONVENTIONS), value=convention, description="precision"),
+        "batch_size": widgets.SelectionSlider(options=powers(0, 6), value=batch_size, description="batch"),
+        "seq_len": widgets.SelectionSlider(options=powers(7, 15), value=seq_len, description="sequence"),
+        "recompute": widgets.ToggleButtons(options=["none", "selective", "full"], value=recompute,
+                                           description="recompute"),
+        "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+    }
+    for control in controls.values():
+        control.style = {"description_width": "100px"}
+        if hasattr(control, "continuous_update"):
+            control.continuous_update = False
+    out = widgets.Output()
+    panel = widgets.VBox([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "hidden", "layers", "gpu")]),
+                                        widgets.VBox([controls[k] for k in ("convention", "batch_size", "seq_len",
+                                                                            "recompute")])]), out])
+
+    def show(_=None):
+        name = controls["model"].value
+        custom = name == "custom"
+        controls["hidden"].layout.display = controls["layers"].layout.display = None if custom else "none"
+        config = _custom_config(controls["hidden"].value, controls["layers"].value) if custom else configs[name]
+        params = param_count_formula(config)
+        convention = CONVENTIONS[controls["convention"].value]
+        b, s, recompute = controls["batch_size"].value, controls["seq_len"].value, controls["recompute"].value
+        state = zero_state_bytes(params, 0, 1, **convention.per_param)
+        state.pop("total")
+        dtype = torch.float32 if controls["convention"].value == "fp32" else torch.bfloat16
+        ours = gpt_activation_bytes(config, b, s, dtype, "full" if recompute == "full" else "none")["total"]
+        gpt3 = activation_bytes(s, b, config.hidden, config.num_heads, config.num_layers, recompute=recompute)
+        label = f"{name} ({params / 1e9:.2f}B params)" if params >= 1e8 else f"{name} ({params:,} params)"
+        panel.rows = {"course model (Llama layer, SDPA)": {**state, "activations": ours},
+                      "GPT-3 formula (16-bit activations)": {**state, "activations": gpt3}}
+        capacity = GPUS[controls["gpu"].value]
+        with out:
+            out.clear_output(wait=True)
+            fig = plots.memory_bars(panel.rows, capacity_bytes=capacity, capacity_label=controls["gpu"].value,
+                                    title=f"{label}, {controls['convention'].value}, batch {b} × {s} tokens, "
+                                          f"recompute {recompute}")
+            display(fig)
+            plt.close(fig)
+            for row, parts in panel.rows.items():
+                total = sum(parts.values())
+                verdict = "fits" if total <= capacity else f"does not fit: {total / capacity:.1f}× the card"
+                print(f"{row:38} {total / GiB:10,.1f} GiB  {verdict}")
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    panel.controls = controls   # so a notebook cell can set values and read panel.rows
+    return panel
+
+
+# ---- 04 · tensor parallelism --------------------------------------------------------------------------
+
+def tp_speed_config(hidden: int, num_layers: int = 2):
+    """The tiny model made wider: heads of 8 channels, 2 query heads per key/value head, an MLP 3× as wide."""
+    from .model import preset
+    return preset("tiny", hidden=hidden, num_layers=num_layers, num_heads=hidden // 8, num_kv_heads=hidden // 16,
+                  intermediate=3 * hidden)
+
+
+def _tp_vs_one_rank(rank, world_size, hiddens, num_layers, batch_size, seq_len, repeats):
+    import torch
+
+    from .comm import Comm
+    from .data import SyntheticTokens
+    from .model import build
+    from .tensor_parallel import apply_tp, step_seconds
+
+    torch.set_num_threads(1)     # one core per rank, as one GPU per rank: "one rank" is one device
+    comm, rows = Comm(), []
+    for hidden in hiddens:
+        config = tp_speed_config(hidden, num_layers)
+        inputs, targets = SyntheticTokens(config.vocab_size, seq_len, seed=0).batch(0, batch_size)
+        one_rank = step_seconds(build(config, seed=0), inputs, targets, repeats=repeats, warmup=1) if rank == 0 else None
+        comm.barrier()           # the other ranks wait while rank 0 runs the whole model alone
+        split = step_seconds(apply_tp(build(config, seed=0), comm), inputs, targets, comm, repeats=repeats, warmup=1)
+        rows.append({"hidden": hidden, "one_rank": one_rank, "tp": split})
+    return rows
+
+
+def measure_tp_speed(hiddens, tp: int, *, num_layers: int = 2, batch_size: int = 4, seq_len: int = 64,
+                     repeats: int = 5) -> list[dict]:
+    """For each width: the median forward + backward of the whole model on one rank, and of the same model
+    split over ``tp`` ranks (its slowest rank, and that rank's seconds inside all-reduces)."""
+    from .launch import launch
+
+    per_rank = launch(_tp_vs_one_rank, tp, hiddens=list(hiddens), num_layers=num_layers, batch_size=batch_size,
+                      seq_len=seq_len, repeats=repeats)
+    rows = []
+    for i, hidden in enumerate(hiddens):
+        slowest = max((ranks[i]["tp"] for ranks in per_rank), key=lambda t: t["seconds"])
+        rows.append({"hidden": hidden, "tp": tp, "one_rank_s": per_rank[0][i]["one_rank"]["seconds"],
+                     "tp_s": slowest["seconds"], "comm_s": slowest["comm_seconds"]})
+    return rows
+
+
+def tp_speed_explorer(measured: list[dict] | None = None, hiddens=(64, 128, 256, 512, 1024), tps=(2, 4),
+                      hidden: int = 64, tp: int = 2):
+    """Hidden size and TP degree → the measured step time of TP against one rank (run when first chosen).
+
+    ``measured``: rows of :func:`measure_tp_speed` already taken (the notebook's sweep), so they are not
+    run again. Every point measured stays on the plot.
+    """
+    import os
+
+    rows = list(measured or [])
+    controls = {"hidden": widgets.SelectionSlider(options=list(hiddens), value=hidden, description="hidden size",
+                                                  continuous_update=False),
+                "tp": widgets.ToggleButtons(options=list(tps), value=tp, description="TP degree")}
+    out = widgets.Output()
+
+    def show(_=None):
+        h, p = controls["hidden"].value, controls["tp"].value
+        with out:
+            out.clear_output(wait=True)
+            row = next((r for r in rows if (r["hidden"], r["tp"]) == (h, p)), None)
+            if row is None:
+                print(f"measuring hidden {h} on 1 rank and on TP={p} ...")
+                row = measure_tp_speed([h], p)[0]
+                rows.append(row)
+                out.clear_output(wait=True)
+            fig = plots.tp_speed(rows, highlight=(h, p))
+            display(fig)
+            plt.close(fig)
+            compute = row["tp_s"] - row["comm_s"]
+            verdict = "slower" if row["tp_s"] > row["one_rank_s"] else "faster"
+            print(f"hidden {h}: 1 rank {row['one_rank_s'] * 1e3:.1f} ms; TP={p} {row['tp_s'] * 1e3:.1f} ms = "
+                  f"{compute * 1e3:.1f} ms compute + {row['comm_s'] * 1e3:.1f} ms all-reduce → TP is "
+                  f"{max(row['tp_s'], row['one_rank_s']) / min(row['tp_s'], row['one_rank_s']):.1f}× {verdict}")
+            cores = len(os.sched_getaffinity(0))
+            if p > cores:
+                print(f"(TP={p} here puts {p} ranks on {cores} CPU cores: they take turns, so it cannot beat one "
+                      "rank; on a GPU box each rank has its own GPU)")
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    panel = widgets.VBox([widgets.HBox(list(controls.values())), out])
+    panel.rows, panel.controls = rows, controls   # for a notebook cell to read what was measured
+    return panel
+
+
+# ---- 02 · data parallelism ----------------------------------------------------------------------------
+
+DDP_BUCKETS = {"naive: no buckets": None, "16 KiB": 16 * 2**10, "64 KiB": 64 * 2**10, "256 KiB": 256 * 2**10,
+               "1 MiB": 2**20, "25 MiB (torch's default)": 25 * 2**20}
+
+
+def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket="64 KiB", steps=6, config=None,
+                         per_rank_batch=4, seq_len=32):
+    """Ranks and bucket size → a real data-parallel run: the step time split into compute, exposed
+    communication and optimizer (every setup explored so far at this number of ranks), and the timeline of
+    one step on every rank, all-reduces included.
+
+    Runs happen live on persistent ranks (one WorkerGroup per world size, started on first use), and are
+    cached. ``panel.stop_ranks()`` stops them; ``panel.runs`` maps (ranks, bucket label) → every rank's result.
+    """
+    from .ddp import phase_seconds, run_data_parallel
+    from .workers import WorkerGroup
+
+    buckets = buckets or DDP_BUCKETS
+    groups, runs = {}, {}
+    controls = {"ranks": widgets.SelectionSlider(options=list(world_sizes), value=ranks, description="ranks"),
+                "bucket": widgets.Dropdown(options=list(buckets), value=bucket, description="bucket size")}
+    for control in controls.values():
+        control.style = {"description_width": "80px"}
+        control.continuous_update = False
+    out = widgets.Output()
+
+    def run(world_size, label):
+        if (world_size, label) not in runs:
+            if world_size not in groups:
+                groups[world_size] = WorkerGroup(world_size, on_output=lambda *_: None)
+            bucket_bytes = buckets[label]
+            runs[world_size, label] = groups[world_size].run(run_data_parallel, dict(
+                kind="naive" if bucket_bytes is None else "bucketed", bucket_bytes=bucket_bytes or 2**20,
+                steps=steps, timeline=True, config=config, per_rank_batch=per_rank_batch, seq_len=seq_len))
+        return runs[world_size, label]
+
+    def show(_=None):
+        world_size, label = controls["ranks"].value, controls["bucket"].value
+        with out:
+            out.clear_output(wait=True)
+            print(f"running {steps} steps on {world_size} ranks...")
+            per_rank = run(world_size, label)
+            out.clear_output(wait=True)
+            rows = {name: phase_seconds([r["steps"] for r in runs[world_size, name]])
+                    for name in buckets if (world_size, name) in runs}
+            fig = plots.step_time_split(rows, highlight=label, title=f"{world_size} rank(s), tiny model, "
+                                        f"{per_rank[0]['grad_bytes'] / 2**20:.2f} MiB of gradients per step")
+            display(fig)
+            plt.close(fig)
+            totals = [s["end"] - s["start"] for s in per_rank[0]["steps"][1:]]
+            typical = 1 + sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]  # the median step
+            fig = plots.ddp_timeline([r["steps"][typical] for r in per_rank],
+                                     title=f"step {typical} of {label}: compute and all-reduces on every rank")
+            display(fig)
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    panel = widgets.VBox([widgets.HBox(list(controls.values())), out])
+    panel.controls, panel.runs = controls, runs
+    panel.stop_ranks = lambda: [groups.pop(size).close() for size in list(groups)]
+    return panel

@@ -78,7 +78,8 @@ def choose_backend(backend: str | None, ranks_per_node: int) -> str:
 def _context():
     """The forkserver context, with torch imported once in the server (set before it first starts)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__])  # this module
+    # torch._dynamo too: building any nn.Embedding imports it, ~2 s that every rank would pay again
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle", __name__])
     return ctx
 
 
