@@ -130,9 +130,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = False):
         """``output`` (n/p elements) gets this rank's chunk of the sum of every rank's ``input`` (n)."""
-        if input.numel() != output.numel() * self.size:
-            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, output {output.numel()}; "
-                             f"the input must be exactly {self.size} (the group size) times the output")
+        _check_stacked("reduce_scatter", whole=input, part=output, size=self.size)
         start = time.perf_counter()
         work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
         self._record("reduce_scatter", _nbytes(input), start)
@@ -140,9 +138,7 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """``output`` (n elements) gets every rank's ``input`` (n/p), concatenated in rank order."""
-        if output.numel() != input.numel() * self.size:
-            raise ValueError(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
-                             f"the output must be exactly {self.size} (the group size) times the input")
+        _check_stacked("all_gather", whole=output, part=input, size=self.size)
         start = time.perf_counter()
         work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
         self._record("all_gather", _nbytes(output), start)
@@ -174,6 +170,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _check_stacked(op: str, whole: torch.Tensor, part: torch.Tensor, size: int) -> None:
+    """The whole tensor is ``size`` parts stacked along dim 0 (what the backends require, gloo strictly)."""
+    if whole.dim() == 0 or whole.shape[0] != size * part.shape[0] or whole.shape[1:] != part.shape[1:]:
+        raise ValueError(f"{op}: the whole tensor {tuple(whole.shape)} must be {size} (the group size) parts "
+                         f"of shape {tuple(part.shape)} stacked along dim 0")
+
+
 # ---------------------------------------------------------------------------------------- measuring
 
 
@@ -190,10 +193,11 @@ def measure_bandwidth(comm: Comm, op: str = "all_reduce", sizes_bytes=(2**10, 2*
     if op not in BUS_FACTOR:
         raise ValueError(f"op={op!r}: measure one of {', '.join(BUS_FACTOR)}")
     rows = []
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(comm.group) == "nccl" else "cpu"
     for size in sizes_bytes:
         elements = max(comm.size, size // 4 // comm.size * comm.size)  # float32, divisible by the group
-        full = torch.ones(elements)
-        shard = torch.ones(elements // comm.size)
+        full = torch.ones(elements, device=device)
+        shard = torch.ones(elements // comm.size, device=device)
         run = {"all_reduce": lambda: comm.all_reduce(full),
                "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
                "all_gather": lambda: comm.all_gather(full, shard),

@@ -185,16 +185,19 @@ def tp_speed(rows: list[dict], *, highlight: tuple | None = None, title: str | N
     """Measured step time (forward + backward) against model width: one rank, and TP over p ranks with the
     part spent in all-reduces shaded. ``rows``: dicts with hidden, tp, one_rank_s, tp_s, comm_s."""
     fig, ax = plt.subplots(figsize=(6.6, 3.4))
-    one = sorted({(r["hidden"], r["one_rank_s"]) for r in rows})
-    ax.plot([h for h, _ in one], [s * 1e3 for _, s in one], "o-", color="black", lw=2, label="1 rank, whole model")
+    one = {}                                  # width → one rank's time (the fastest, if measured more than once)
+    for r in rows:
+        one[r["hidden"]] = min(one.get(r["hidden"], float("inf")), r["one_rank_s"])
+    widths = sorted(one)
+    ax.plot(widths, [one[h] * 1e3 for h in widths], "o-", color="black", lw=2, label="1 rank, whole model")
     for k, tp in enumerate(sorted({r["tp"] for r in rows})):
-        mine = sorted((r["hidden"], r["tp_s"], r["comm_s"]) for r in rows if r["tp"] == tp)
-        xs = [h for h, _, _ in mine]
+        mine = sorted((r["hidden"], r["tp_s"], r["comm_s"], r["one_rank_s"]) for r in rows if r["tp"] == tp)
+        xs = [h for h, *_ in mine]
         color = RANK_COLORS[(k + 1) % len(RANK_COLORS)]
-        ax.plot(xs, [t * 1e3 for _, t, _ in mine], "s-", color=color, lw=2, label=f"TP={tp}: step")
-        ax.plot(xs, [c * 1e3 for _, _, c in mine], "s:", color=color, lw=1, label=f"TP={tp}: of it, all-reduce")
-        for h, t, _ in mine:
-            ratio = t / dict(one)[h]
+        ax.plot(xs, [t * 1e3 for _, t, _, _ in mine], "s-", color=color, lw=2, label=f"TP={tp}: step")
+        ax.plot(xs, [c * 1e3 for _, _, c, _ in mine], "s:", color=color, lw=1, label=f"TP={tp}: of it, all-reduce")
+        for h, t, _, one_rank in mine:       # against the one-rank run measured beside it
+            ratio = t / one_rank
             ax.annotate(f"{ratio:.1f}×", (h, t * 1e3), xytext=(4, 4), textcoords="offset points", fontsize=7,
                         color="tab:red" if ratio > 1 else "tab:green")
     if highlight is not None:
@@ -202,7 +205,7 @@ def tp_speed(rows: list[dict], *, highlight: tuple | None = None, title: str | N
     ax.set(xscale="log", yscale="log", xlabel="hidden size (model width)", ylabel="ms per forward + backward")
     bottom, top = ax.get_ylim()
     ax.set_ylim(bottom, top * 1.6)    # room for the ratio labels above the highest point
-    ax.set_xticks(sorted({h for h, _ in one}), [str(h) for h, _ in one])
+    ax.set_xticks(widths, [str(h) for h in widths])
     ax.minorticks_off()
     ax.set_title(title or "TP vs one rank, measured (ratio TP / 1 rank: red = TP slower)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
@@ -294,7 +297,7 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
     when it was issued to when it finished. Times in ms from the first rank's start (one clock per machine)."""
     t0 = min(step["start"] for step in steps_by_rank)
     ms = lambda t: (t - t0) * 1e3                                          # noqa: E731
-    fig, ax = plt.subplots(figsize=(7.6, 0.7 + 0.75 * len(steps_by_rank)))
+    fig, ax = plt.subplots(figsize=(7.6, 0.8 + 1.0 * len(steps_by_rank)))
     for r, step in enumerate(steps_by_rank):
         y = -r
         phases = [("compute", step["start"], step["backward"]), ("exposed communication", step["backward"],
@@ -302,11 +305,13 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
         for phase, begin, end in phases:
             ax.barh(y + 0.18, ms(end) - ms(begin), left=ms(begin), height=0.32, color=DDP_PHASE_COLORS[phase],
                     label=phase if r == 0 else None)
-        for entry in step.get("timeline") or []:
+        entries = step.get("timeline") or []
+        lane = 0.4 / max(1, len(entries))             # one thin row per all-reduce, the first on top
+        for i, entry in enumerate(entries):
             done = entry.get("done", entry["issued"])
-            ax.barh(y - 0.2, max(ms(done) - ms(entry["issued"]), 0.02), left=ms(entry["issued"]), height=0.3,
-                    color="tab:orange", alpha=0.55, edgecolor="tab:orange",
-                    label="all-reduce (issued → done)" if r == 0 and entry["bucket"] == 0 else None)
+            ax.barh(y - 0.03 - lane * (i + 0.5), max(ms(done) - ms(entry["issued"]), 0.02), left=ms(entry["issued"]),
+                    height=lane * 0.8, color="tab:orange",
+                    label="all-reduce of one bucket (issued → done)" if r == 0 and i == 0 else None)
     ax.set_yticks([-r for r in range(len(steps_by_rank))], [f"rank {r}" for r in range(len(steps_by_rank))],
                   fontsize=8)
     ax.set(xlabel="milliseconds since the step began", title=title)

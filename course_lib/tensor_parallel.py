@@ -1,0 +1,305 @@
+"""Tensor parallelism (张量并行), Megatron style: split a layer's matrices over the ranks of a group.
+
+A linear layer computes Y = X·W (X: [tokens, in], W: [in, out]). With p ranks there are two ways to split W.
+
+    By columns   W = [W_0 | W_1 | ... ]      rank i holds W_i = W[:, i·out/p : (i+1)·out/p]
+                 Y = [X·W_0 | X·W_1 | ...]   rank i computes its slice Y_i = X·W_i; no sum is needed.
+                 Backward: dX = dY·Wᵀ = Σ_i dY_i·W_iᵀ, a sum over ranks → all-reduce of dX.
+
+    By rows      W = [W_0 ; W_1 ; ... ]      rank i holds W_i = W[i·in/p : (i+1)·in/p, :]
+                 X = [X_0 | X_1 | ...]       and needs only its slice X_i of the input's features
+                 Y = Σ_i X_i·W_i             each rank has a partial sum → all-reduce of Y.
+                 Backward: dX_i = dY·W_iᵀ    dY is the same on every rank: no communication.
+
+(nn.Linear stores W transposed, as weight[out, in]: a column split cuts weight's rows, a row split its columns.)
+
+Megatron-LM puts a column-parallel layer first and a row-parallel layer second, so the column layer's output
+slice *is* the row layer's input slice, and whatever sits between them (an activation, or attention within a
+head) runs on slices with no communication. Two conjugate operators carry the communication:
+
+    f   forward: identity            backward: all-reduce      (before the column layer: dX is a sum)
+    g   forward: all-reduce          backward: identity        (after the row layer: Y is a sum)
+
+A transformer block then costs exactly one f and one g around attention (q, k, v by columns, i.e. by heads;
+o_proj by rows) and one of each around the MLP (gate and up by columns, down by rows):
+
+    per layer: 2 all-reduces forward (g) + 2 backward (f), each of one activation, batch × seq × hidden
+    values. In bytes: b·s·h·e per all-reduce, and a ring all-reduce sends 2(p-1)/p of that per rank.
+
+q, k and v share one f (one all-reduce of the sum of their input gradients), and so do gate and up: that is
+why :func:`apply_tp` applies f once at the input of `attn` and `mlp` and builds those column layers with
+``copy_input=False``. (torch's DTensor ``ColwiseParallel`` reduces each layer's input gradient on its own:
+5 all-reduces backward per layer instead of 2.)
+
+Heads are split over ranks, so every rank must get whole heads, and with grouped-query attention its own
+key/value heads: rank r keeps query heads [r·H/p, (r+1)·H/p) and key/value heads [r·K/p, (r+1)·K/p), which
+are exactly the key/value heads its query heads read (query head j reads key/value head j // (H/K)).
+So num_heads, num_kv_heads and intermediate must all divide by p: 16 heads cannot split over TP = 3.
+
+Norms, embedding and head stay whole on every rank (replicated); their gradients come out the same on every
+rank because f and g make every replicated activation, and its gradient, whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import Comm
+
+
+# ------------------------------------------------------------------------------ the conjugate operators
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)   # a new tensor object, same storage: autograd needs an output of its own
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()   # all-reduce sums in place: on our own copy, not autograd's buffer
+        ctx.comm.all_reduce(grad)
+        return grad, None
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous().clone()   # the partial sum belongs to the caller's graph: reduce a copy
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTensorParallelRegion(torch.autograd.Function):
+    """Concatenate every rank's slice along the last dimension; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        slices = torch.empty(comm.size * x.numel(), dtype=x.dtype, device=x.device)   # rank after rank
+        comm.all_gather(slices, x.contiguous().view(-1))
+        return torch.cat(slices.view(comm.size, *x.shape).unbind(0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.size, dim=-1)[ctx.comm.rank].contiguous(), None
+
+
+def f(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Megatron's f (copy_to_tensor_model_parallel_region): identity forward, all-reduce backward."""
+    return CopyToTensorParallelRegion.apply(x, comm)
+
+
+def g(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Megatron's g (reduce_from_tensor_model_parallel_region): all-reduce forward, identity backward."""
+    return ReduceFromTensorParallelRegion.apply(x, comm)
+
+
+def gather_last_dim(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-gather of the ranks' slices along the last dimension (gather_from_tensor_model_parallel_region)."""
+    return GatherFromTensorParallelRegion.apply(x, comm)
+
+
+# ------------------------------------------------------------------------------------ the two layers
+
+def _rank_slice(size: int, comm: Comm, what: str) -> slice:
+    if size % comm.size:
+        raise ValueError(f"{what}={size} cannot split over TP={comm.size}: {size} % {comm.size} = "
+                         f"{size % comm.size}, and every rank must get an equal slice")
+    per_rank = size // comm.size
+    return slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X·W_i: this rank's ``out_features / p`` output features (weight rows, in nn.Linear's layout).
+
+    ``copy_input``: apply f to the input (its gradient all-reduced in backward); turn it off when one f is
+    shared by several column layers reading the same input. ``gather_output``: all-gather the slices into
+    the whole Y (otherwise the output is this rank's slice, ready for a :class:`RowParallelLinear`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Comm, *, bias: bool = False,
+                 gather_output: bool = False, copy_input: bool = True):
+        super().__init__()
+        self.comm, self.gather_output, self.copy_input = comm, gather_output, copy_input
+        self.in_features, self.out_features = in_features, out_features
+        rows = _rank_slice(out_features, comm, "out_features")
+        bound = 1 / math.sqrt(in_features)   # nn.Linear's default init; each rank draws its own slice
+        self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, in_features).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(rows.stop - rows.start)) if bias else None
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, comm: Comm, **kwargs) -> ColumnParallelLinear:
+        """This rank's slice of a dense layer that every rank holds alike (same seed)."""
+        with torch.device("meta"):   # no memory, no random draws: the weights are replaced right below
+            layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, **kwargs)
+        rows = _rank_slice(linear.out_features, comm, "out_features")
+        with torch.no_grad():
+            layer.weight = nn.Parameter(linear.weight[rows].clone())
+            if linear.bias is not None:
+                layer.bias = nn.Parameter(linear.bias[rows].clone())
+        return layer
+
+    def forward(self, x):
+        if self.copy_input:
+            x = f(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, self.comm) if self.gather_output else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.weight.shape[0]}), tp={self.comm.size}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = Σ_i X_i·W_i: this rank's ``in_features / p`` input features (weight columns), summed by g.
+
+    The input is this rank's slice X_i (``input_is_parallel``, the output of a column layer); otherwise the
+    whole X is given and this rank takes its slice itself. The bias is added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Comm, *, bias: bool = False,
+                 input_is_parallel: bool = True):
+        super().__init__()
+        self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.columns = _rank_slice(in_features, comm, "in_features")
+        bound = 1 / math.sqrt(in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // comm.size).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, comm: Comm, **kwargs) -> RowParallelLinear:
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, **kwargs)
+        with torch.no_grad():
+            layer.weight = nn.Parameter(linear.weight[:, layer.columns].clone())
+            if linear.bias is not None:
+                layer.bias = nn.Parameter(linear.bias.clone())
+        return layer
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = f(x, self.comm)[..., self.columns]   # the whole X came in: its gradient is a sum over ranks
+        y = g(F.linear(x, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, tp={self.comm.size}")
+
+
+# --------------------------------------------------------------------------------- the course model
+
+def check_tp_divisible(config, tp: int) -> None:
+    """Raise a ValueError naming every dimension of ``config`` that cannot split over ``tp`` ranks."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"TP={tp!r}: the tensor-parallel degree is a whole number of ranks, at least 1")
+    rules = [("num_heads", config.num_heads, "attention heads", "each rank computes whole heads"),
+             ("num_kv_heads", config.num_kv_heads, "key/value heads",
+              "each rank keeps the key/value heads its query heads read"),
+             ("intermediate", config.intermediate, "MLP width", "each rank gets an equal slice of the MLP")]
+    problems = [f"{value} {what} ({name}) cannot split over TP={tp} ({value} % {tp} = {value % tp}): {why}"
+                for name, value, what, why in rules if value % tp]
+    if problems:
+        divisors = [d for d in range(1, config.num_kv_heads + 1)
+                    if not (config.num_heads % d or config.num_kv_heads % d or config.intermediate % d)]
+        raise ValueError("; ".join(problems) + f". TP degrees that work for this model: {divisors}")
+
+
+def apply_tp(model: nn.Module, comm: Comm) -> nn.Module:
+    """Split the course GPT over ``comm``'s ranks, in place (every rank must hold the same model).
+
+    Attention: q/k/v by columns (this rank's heads), o_proj by rows. MLP: gate/up by columns, down by rows.
+    One f at the input of each of the two, one g inside each row layer: 2 all-reduces forward, 2 backward
+    per layer. Embedding, norms and head stay whole.
+    """
+    if getattr(model, "tp_size", None) is not None:
+        raise ValueError(f"this model is already split over TP={model.tp_size}: apply_tp it once, to a whole model")
+    check_tp_divisible(model.config, comm.size)
+
+    def copy_input(module, args):   # f once for all the column layers that read this input
+        return (f(args[0], comm),)
+
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear.from_dense(getattr(attn, name), comm, copy_input=False))
+        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, comm)
+        mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, comm, copy_input=False)
+        mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, comm, copy_input=False)
+        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, comm)
+        attn.register_forward_pre_hook(copy_input)
+        mlp.register_forward_pre_hook(copy_input)
+    model.tp_size = comm.size
+    return model
+
+
+# --------------------------------------------------------------------------------- what it costs
+
+def tp_allreduce_bytes(batch_size: int, seq_len: int, hidden: int, bytes_per_element: int) -> int:
+    """The payload of one TP all-reduce: one activation, batch × seq × hidden × bytes per element."""
+    return batch_size * seq_len * hidden * bytes_per_element
+
+
+def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4) -> dict:
+    """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring)."""
+    from .comm import wire_bytes
+
+    payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
+    per_direction = 2 * config.num_layers
+    return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,
+            "payload_bytes_each": payload, "payload_bytes": 2 * per_direction * payload,
+            "wire_bytes_per_rank": 2 * per_direction * wire_bytes("all_reduce", payload, tp)}
+
+
+def dtensor_plan(config) -> dict:
+    """torch's DTensor plan for the same split: ``parallelize_module(model, mesh, dtensor_plan(config))``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(config.num_layers):
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.o_proj", "mlp.down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def step_seconds(model: nn.Module, inputs, targets, comm: Comm | None = None, *, repeats: int = 5,
+                 warmup: int = 2) -> dict:
+    """The median time of one forward + backward of ``model``, and of that, the seconds spent inside
+    ``comm``'s collectives (waiting for the slowest rank included: TP pays for that too). On GPUs NCCL
+    collectives return before they finish, so there only ``seconds`` is meaningful."""
+    from contextlib import nullcontext
+    from time import perf_counter
+
+    from .model import loss_fn
+
+    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)   # GPU kernels run asynchronously
+    runs = []
+    for i in range(warmup + repeats):
+        if comm is not None:
+            comm.barrier()                      # start together, so no rank's wait is counted as work
+        with comm.trace() if comm is not None else nullcontext() as log:
+            start = perf_counter()
+            loss_fn(model(inputs), targets).backward()
+            sync()
+            seconds = perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        if i >= warmup:
+            runs.append((seconds, sum(r.seconds for r in log.records) if log is not None else 0.0))
+    seconds, comm_seconds = sorted(runs)[len(runs) // 2]
+    return {"seconds": seconds, "comm_seconds": comm_seconds, "compute_seconds": seconds - comm_seconds}

@@ -1,0 +1,140 @@
+"""Lab 04: train the course model split over N ranks with tensor parallelism, and count what it costs.
+
+    python labs/tensor_parallel.py --world-size 2                     # this CPU: 2 gloo ranks via launch()
+    torchrun --nproc-per-node 8 labs/tensor_parallel.py --hidden 4096 --layers 4 --batch-size 4 --seq-len 2048
+    torchrun --nproc-per-node 2 labs/tensor_parallel.py --hidden 512   # TP = 2 on two GPUs of one box
+
+TP is the whole world: every rank reads the same batch and holds 1/N of every attention and MLP matrix
+(course_lib/tensor_parallel.py, ``apply_tp``). The lab trains a few steps with Adam and prints one row:
+all-reduces per step and their bytes, traced, against the formula (2 forward + 2 backward per layer, each
+batch × seq × hidden × bytes); the median step time of TP against the same model on rank 0 alone (the
+"5 ms compute / 1 ms comm vs 0.5 ms / 1 ms" question at your scale: at a small width one device wins); and,
+for small models, the largest loss difference from that one-device run (float32 sums in another order, grown
+a little by Adam: ~1e-5 after 20 steps; tests/test_tensor_parallel.py checks the same in float64 to 1e-9).
+Results go to labs/results/tensor_parallel.json and .png for notebook 04 to show beside the learner's run.
+On CPU each rank gets one thread, so "one device" means one core.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib import device, launch
+from course_lib.comm import Comm
+from course_lib.data import SyntheticTokens
+from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.tensor_parallel import apply_tp, step_seconds, tp_step_traffic
+
+
+def train_losses(model, data, steps, batch_size, lr, comm=None):
+    """Adam steps on the same batches as every other rank; the traced comm of each step, when given."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, logs = [], []
+    for step in range(steps):
+        inputs, targets = (t.to(device()) for t in data.batch(step, batch_size))
+        if comm is not None:
+            with comm.trace() as log:
+                loss = loss_fn(model(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+            logs.append(log.summary().get("all_reduce"))
+        else:
+            loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, logs
+
+
+def tensor_parallel_run(rank, world_size, *, overrides, steps, batch_size, seq_len, lr, reference):
+    if device().type == "cpu":
+        torch.set_num_threads(1)              # one core per rank: "one device" below means one core
+    config = preset("tiny", **overrides)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=0)
+    comm = Comm()
+    model = apply_tp(build(config, seed=0, device=device()), comm)
+    progress = range(steps)
+    if rank == 0:
+        from tqdm import tqdm
+        progress = tqdm(progress, desc=f"TP={world_size}", mininterval=1.0)
+    losses, logs = train_losses(model, data, len(progress), batch_size, lr, comm)
+    inputs, targets = (t.to(device()) for t in data.batch(0, batch_size))
+    timing = step_seconds(model, inputs, targets, comm)
+    result = {"losses": losses, "all_reduces_per_step": logs[-1].count, "payload_bytes_per_step": logs[-1].payload_bytes,
+              "wire_bytes_per_step": logs[-1].wire_bytes, "step_seconds": timing["seconds"],
+              "comm_seconds": timing["comm_seconds"] if device().type == "cpu" else None,
+              "params_per_rank": sum(p.numel() for p in model.parameters()), "backend": dist.get_backend()}
+    del model
+    dist.barrier()
+    if rank == 0:                             # the same model on this one device, while the others wait
+        dense = build(config, seed=0, device=device())
+        result["one_device_step_seconds"] = step_seconds(dense, inputs, targets)["seconds"]
+        if reference:
+            result["one_device_losses"] = train_losses(build(config, seed=0, device=device()), data, steps,
+                                                       batch_size, lr)[0]
+    dist.barrier()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    if args.hidden:  # heads of 8 channels as in the tiny model, 2 query heads per key/value head, MLP 3×
+        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
+                         intermediate=3 * args.hidden)
+    overrides["max_seq_len"] = max(preset("tiny").max_seq_len, args.seq_len)
+    config = preset("tiny", **overrides)
+    reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison
+    results = launch(tensor_parallel_run, args.world_size, overrides=overrides, steps=args.steps,
+                     batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    run = results[0]
+    predicted = tp_step_traffic(config, args.batch_size, args.seq_len, args.world_size, bytes_per_element=4)
+    predicted_count = predicted["forward_all_reduces"] + predicted["backward_all_reduces"]
+    gap = (max(abs(a - b) for a, b in zip(run["losses"], run["one_device_losses"]))
+           if reference else float("nan"))
+    speedup = run["one_device_step_seconds"] / run["step_seconds"]
+    comm_ms = f"{run['comm_seconds'] * 1e3:.2f}" if run["comm_seconds"] is not None else "n/a"
+    print(f"\n{'TP':>3} {'backend':>8} {'params/rank':>12} {'all-reduces/step':>17} {'MiB/step':>9} "
+          f"{'step (ms)':>10} {'of it comm':>11} {'1 device (ms)':>14} {'TP speed-up':>12} {'loss gap':>9}")
+    print(f"{args.world_size:>3} {run['backend']:>8} {run['params_per_rank']:>12,} "
+          f"{run['all_reduces_per_step']:>8} (pred {predicted_count:>3}) "
+          f"{run['payload_bytes_per_step'] / 2**20:>9.2f} {run['step_seconds'] * 1e3:>10.2f} {comm_ms:>11} "
+          f"{run['one_device_step_seconds'] * 1e3:>14.2f} {speedup:>11.2f}x {gap:>9.1e}")
+    assert run["all_reduces_per_step"] == predicted_count, "traced all-reduces differ from 4 per layer"
+    assert run["payload_bytes_per_step"] == predicted["payload_bytes"], "traced bytes differ from the formula"
+    print(f"traced traffic = formula: {predicted_count} all-reduces of {args.batch_size}×{args.seq_len}×"
+          f"{config.hidden}×4 bytes = {predicted['payload_bytes_each']:,} bytes each")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"tp": args.world_size, "config": {k: getattr(config, k) for k in
+                                                ("hidden", "num_layers", "num_heads", "num_kv_heads", "intermediate")},
+              "batch_size": args.batch_size, "seq_len": args.seq_len, **run, "predicted": predicted,
+              "speedup_vs_one_device": speedup, "max_loss_gap": gap if reference else None}
+    (args.out / "tensor_parallel.json").write_text(json.dumps(record, indent=1))
+    from course_lib.plots import loss_curves
+    curves = {f"TP={args.world_size} ({run['backend']})": run["losses"]}
+    if reference:
+        curves["1 device, whole model"] = run["one_device_losses"]
+    loss_curves(curves, title=f"tensor-parallel training: step {run['step_seconds'] * 1e3:.1f} ms on TP="
+                              f"{args.world_size}, {run['one_device_step_seconds'] * 1e3:.1f} ms on one device"
+                ).savefig(args.out / "tensor_parallel.png", dpi=100)
+    print(f"wrote {args.out / 'tensor_parallel.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
