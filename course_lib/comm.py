@@ -14,7 +14,8 @@ Bytes on the wire per rank, for a ring over p ranks (n = payload bytes, as nccl-
     all_reduce       2(p-1)/p · n    reduce-scatter, then all-gather: each is (p-1) steps of n/p
     reduce_scatter    (p-1)/p · n    n = the full input; each rank keeps n/p
     all_gather        (p-1)/p · n    n = the full output; each rank contributes n/p
-    broadcast              n         pipelined along the ring: every rank but the last forwards n
+    broadcast              n         nccl-tests' bus factor 1 (a pipelined ring forwards n per rank;
+                                     gloo's tree sends 2n, n, 0, 0 at p = 4: the total differs by op and library)
     send / recv            n / 0     the sender counts the bytes; the receiver sends nothing
 
 These factors are also nccl-tests' "bus bandwidth" factors: busbw = algbw × factor, with algbw = n / time, so
@@ -144,22 +145,27 @@ class Comm:
         self._record("all_gather", _nbytes(output), start)
         return work
 
+    def _global(self, rank: int) -> int:
+        """torch.distributed names peers by their rank in the whole world; a Comm by their rank in its group."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``src`` is a rank of this Comm's group."""
         start = time.perf_counter()
-        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
-                              group=self.group, async_op=async_op)
+        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
         self._record("broadcast", _nbytes(tensor), start)
         return work
 
     def send(self, tensor: torch.Tensor, dst: int):
+        """``dst`` is a rank of this Comm's group."""
         start = time.perf_counter()
-        dist.send(tensor, dst=dst, group=self.group)
+        dist.send(tensor, dst=self._global(dst), group=self.group)
         self._record("send", _nbytes(tensor), start)
 
     def recv(self, tensor: torch.Tensor, src: int):
+        """``src`` is a rank of this Comm's group."""
         start = time.perf_counter()
-        dist.recv(tensor, src=src, group=self.group)
+        dist.recv(tensor, src=self._global(src), group=self.group)
         self._record("recv", _nbytes(tensor), start)
 
     def barrier(self):

@@ -113,11 +113,11 @@ def pipeline_gantt(timeline, *, title: str | None = None, ax=None, in_flight: bo
                     color="white")
     ax.set_yticks(range(timeline.num_stages), [f"stage {r}" for r in range(timeline.num_stages)], fontsize=8)
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
-    ax.set_xlim(0, span * 1.1)
+    ax.set_xlim(0, span * 1.14)   # room for the idle fractions
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.85) for c in PIPELINE_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.6", hatch="////"))
-    ax.legend(handles, ["forward", "backward", "idle"], fontsize=7, ncol=3, loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles, ["forward", "backward", "idle"], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     ax.set_title(title or f"p = {timeline.num_stages} stages, m = {timeline.num_microbatches} micro-batches: "
                           f"bubble {timeline.bubble:.1%}", fontsize=10, loc="left")
     if in_flight and axes is not None:
@@ -228,7 +228,7 @@ def ring_all_reduce_steps(snapshots_by_rank: list[list], *, title: str = "ring a
         labels.append(f"{phase} {step + 1}/{p - 1}")
     cols = max(2, p)
     rows = -(-len(states) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.3 * cols, 2.3 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.1 * cols, 2.1 * rows), squeeze=False)
     for ax in axes.flat[len(states):]:
         ax.axis("off")
     cmap = plt.get_cmap("Blues")
@@ -317,5 +317,165 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
     ax.set(xlabel="milliseconds since the step began", title=title)
     ax.title.set_fontsize(10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def bubble_curves(measured: dict[int, dict[int, float]], *, max_microbatches: int = 64, title: str | None = None):
+    """The bubble (p-1)/(m+p-1) against m for each p of ``measured`` (p → {m: measured bubble}), as a line,
+    with the measured bubbles as dots on it; m on a log axis."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    ms = [m for m in range(1, max_microbatches + 1)]
+    for i, (p, points) in enumerate(sorted(measured.items())):
+        color = f"C{i}"
+        ax.plot(ms, [100 * (p - 1) / (m + p - 1) for m in ms], "-", color=color, lw=1.5, alpha=0.7,
+                label=f"p = {p}: (p−1)/(m+p−1)")
+        ax.plot(list(points), [100 * b for b in points.values()], "o", color=color, ms=6,
+                markeredgecolor="black", label=f"p = {p}: measured")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="micro-batches m", ylabel="bubble (%)", ylim=(0, 100))
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- 03 · ZeRO and FSDP ------------------------------------------------------------------------------
+
+ZERO_STAGE_NAMES = {0: "stage 0 (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+WIRE_COLORS = {"all_reduce": "tab:purple", "reduce_scatter": "tab:olive", "all_gather": "tab:cyan"}
+
+
+def zero_per_rank_bars(measured: dict[int, dict[int, list[dict]]], predicted: dict[int, dict[int, int]], *,
+                       unit: tuple[str, int] = ("KiB", 2**10), title: str | None = None):
+    """Per-rank training state, one panel per (ranks, stage): a stacked bar per rank (weights, grads,
+    optimizer) from ``measured[ranks][stage]`` (one dict per rank), and the formula's total
+    ``predicted[ranks][stage]`` as a dashed line. Rows: numbers of ranks; columns: stages."""
+    name, scale = unit
+    rows = sorted(measured)
+    fig, axes = plt.subplots(len(rows), 4, figsize=(9.6, 1.0 + 2.0 * len(rows)), sharey=True, squeeze=False)
+    for i, ranks in enumerate(rows):
+        for stage, ax in enumerate(axes[i]):
+            per_rank = measured[ranks][stage]
+            for r, state in enumerate(per_rank):
+                bottom = 0.0
+                for part in ("weights", "grads", "optimizer"):
+                    height = state[part] / scale
+                    ax.bar(r, height, bottom=bottom, color=MEMORY_COLORS[part], width=0.7,
+                           label=part if (i, stage, r) == (0, 0, 0) else None)
+                    bottom += height
+            line = predicted[ranks][stage] / scale
+            ax.axhline(line, ls="--", color="black", lw=1)
+            ax.annotate(f"formula {line:,.0f}", (len(per_rank) - 0.5, line), xytext=(0, 3),
+                        textcoords="offset points", ha="right", fontsize=7)
+            ax.set_xticks(range(len(per_rank)), [f"r{r}" for r in range(len(per_rank))], fontsize=7)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_xlim(-0.6, len(per_rank) - 0.4)
+            ax.set_title(f"{ZERO_STAGE_NAMES[stage]}, {ranks} ranks", fontsize=8)
+        axes[i, 0].set_ylabel(f"{name} per rank", fontsize=8)
+    fig.legend(fontsize=8, loc="upper right", ncol=3, frameon=False)
+    fig.suptitle(title or "training state per rank, measured (bars) and predicted (line)", fontsize=10, x=0.02,
+                 ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def zero_wire_bytes(rows: dict[str, dict[str, float]], *, counted: dict[str, float] | None = None,
+                    unit: tuple[str, int] = ("KiB", 2**10), title: str = "bytes each rank sends per step"):
+    """A horizontal bar per setup (label → {op: bytes}), stacked by collective, with its ratio to the first
+    row written at the end; ``counted`` (label → bytes) adds the kernel's count as a black diamond."""
+    name, scale = unit
+    labels = list(rows)
+    base = sum(rows[labels[0]].values())
+    fig, ax = plt.subplots(figsize=(7.2, 0.9 + 0.45 * len(labels)))
+    for y, label in enumerate(labels[::-1]):
+        left = 0.0
+        for op, color in WIRE_COLORS.items():
+            width = rows[label].get(op, 0.0) / scale
+            if width:
+                ax.barh(y, width, left=left, color=color, height=0.6, label=op.replace("_", "-"))
+                left += width
+        end = left
+        if counted and counted.get(label) is not None:
+            ax.plot(counted[label] / scale, y, "D", color="black", ms=5, label="counted by the kernel (gloo)")
+            end = max(end, counted[label] / scale)
+        ax.annotate(f"{left * scale / base:.2f}×", (end, y), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_yticks(range(len(labels)), labels[::-1], fontsize=8)
+    ax.set(xlabel=f"{name} per rank per step")
+    ax.set_title(title, fontsize=10)
+    ax.margins(x=0.12)
+    fig.tight_layout()
+    return fig
+
+
+def zero_memory_timeline(timeline: list[dict], *, shard_bytes: int | None = None,
+                         unit: tuple[str, int] = ("KiB", 2**10), title: str = "one ZeRO-3 step on one rank"):
+    """Weights and gradients one rank holds over a step (ZeroDataParallel.timeline: bytes counted at every
+    gather, free and reduce), as steps in time; each gather is labelled with its unit."""
+    name, scale = unit
+    t0 = timeline[0]["time"]
+    ms = [(e["time"] - t0) * 1e3 for e in timeline]
+    fig, ax = plt.subplots(figsize=(8.0, 3.4))
+    for part, color in (("weights", MEMORY_COLORS["weights"]), ("grads", MEMORY_COLORS["grads"])):
+        ax.step(ms, [e[part] / scale for e in timeline], where="post", color=color, lw=1.8, label=part)
+    if shard_bytes is not None:
+        ax.axhline(shard_bytes / scale, ls=":", color="0.4", lw=1)
+        ax.annotate("this rank's shard only", (ms[-1], shard_bytes / scale), xytext=(0, -10),
+                    textcoords="offset points", ha="right", fontsize=7, color="0.3")
+    top = max(e["weights"] for e in timeline) / scale
+    backward = next((t for t, e in zip(ms, timeline) if e["event"] == "gather (backward)"), None)
+    if backward is not None:
+        ax.axvspan(0, backward, color="tab:blue", alpha=0.05)
+        ax.axvspan(backward, ms[-1], color="tab:green", alpha=0.05)
+        ax.annotate("forward", (0, top * 1.12), fontsize=8, color="tab:blue")
+        ax.annotate("backward", (backward, top * 1.12), fontsize=8, color="tab:green")
+    for t, e in zip(ms, timeline):
+        if e["event"].startswith("gather"):
+            ax.annotate(e["unit"], (t, e["weights"] / scale), xytext=(1, 2), textcoords="offset points",
+                        fontsize=6, rotation=90, va="bottom")
+    ax.set(xlabel="milliseconds since the step began", ylabel=f"{name} held", ylim=(0, top * 1.25))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def zero_explorer_figure(memory: dict[str, dict[str, int]], wire: dict[str, float], *, highlight: str,
+                         capacity_bytes: int | None = None, capacity_label: str = "GPU memory", title: str = ""):
+    """Two panels for the ZeRO explorer: per-rank training state by stage (stacked, GiB) against a card's
+    capacity, and bytes each rank sends per step by stage (GiB); ``highlight`` in full colour."""
+    gib = 2**30
+    labels = list(memory)[::-1]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 0.9 + 0.5 * len(labels)),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    for y, label in enumerate(labels):
+        alpha, x = (1.0 if label == highlight else 0.35), 0.0
+        for part in ("weights", "grads", "optimizer"):
+            width = memory[label][part] / gib
+            left.barh(y, width, left=x, color=MEMORY_COLORS[part], height=0.6, alpha=alpha,
+                      label=part if y == 0 else None)
+            x += width
+        fits = capacity_bytes is None or x * gib <= capacity_bytes
+        left.annotate(f"{x:,.1f}", (x, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8,
+                      color="black" if fits else "tab:red")
+        right.barh(y, wire[label] / gib, color="tab:purple", height=0.6, alpha=alpha)
+        right.annotate(f"{wire[label] / gib:,.1f}", (wire[label] / gib, y), xytext=(3, 0),
+                       textcoords="offset points", va="center", fontsize=8)
+    if capacity_bytes is not None:
+        left.axvline(capacity_bytes / gib, ls="--", color="black", lw=1)
+        left.annotate(capacity_label, (capacity_bytes / gib, len(labels) - 0.45), ha="right", fontsize=7)
+    left.set_yticks(range(len(labels)), labels, fontsize=8)
+    right.set_yticks(range(len(labels)), [""] * len(labels))
+    left.set(xlabel="GiB of training state per rank", ylim=(-0.5, len(labels) - 0.2))
+    right.set(xlabel="GiB each rank sends per step", ylim=(-0.5, len(labels) - 0.2))
+    left.margins(x=0.15)
+    right.margins(x=0.2)
+    left.legend(fontsize=7, loc="lower right", frameon=False)
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
     fig.tight_layout()
     return fig

@@ -309,11 +309,11 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
 
 # ---- 05 · pipeline parallelism ------------------------------------------------------------------------
 
-def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_stage_cost=1.0, op_ms=15):
+def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_stage_cost=1.0, op_ms=30, steps=2):
     """Stages, micro-batches, schedule and the last stage's cost → a real pipeline step on that many ranks in
     controlled-cost mode (every forward and backward padded to ``op_ms``, the last stage's to
-    ``last_stage_cost`` × op_ms): its measured Gantt chart and bubble beside the formula (p-1)/(m+p-1) and
-    the simulated prediction for these costs. Runs are cached (``panel.runs``: settings → Timeline) on
+    ``last_stage_cost`` × op_ms; the fastest of ``steps`` steps): its measured Gantt chart and bubble beside
+    the formula (p-1)/(m+p-1) and the simulated prediction for these costs. Runs are cached (``panel.runs``: settings → Timeline) on
     persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
     """
     from .model import build, preset
@@ -347,7 +347,7 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
                     groups[p] = WorkerGroup(p, on_output=lambda *_: None)
                 runs[p, m, name, factor] = Timeline.from_results(groups[p].run(pipeline_worker, dict(
                     num_microbatches=m, schedule=name, forward_ms=costs_ms, batch_size=16, seq_len=8,
-                    weights=weights)))
+                    steps=steps, measure_memory=False, weights=weights)))
                 out.clear_output(wait=True)
             timeline = runs[p, m, name, factor]
             predicted = simulate(name, p, m, [c / 1e3 for c in costs_ms], [c / 1e3 for c in costs_ms])
@@ -367,4 +367,73 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
                                         widgets.VBox([controls["schedule"], controls["cost"]])]), out])
     panel.controls, panel.runs = controls, runs
     panel.stop_ranks = lambda: [groups.pop(size).close() for size in list(groups)]
+    return panel
+
+
+# ---- 03 · ZeRO and FSDP ------------------------------------------------------------------------------
+
+ZERO_RANKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu="80 GiB (A100 80GB)"):
+    """ZeRO stage × ranks × model → the training state each rank holds (weights, gradients, optimizer state,
+    ledger.zero_state_bytes) for every stage, against a card, and the bytes each rank sends per step
+    (zero.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
+    Models: the memory explorer's, the source's round 7.1e9 and 70e9, and a custom Llama-shaped one."""
+    from .ledger import CONVENTIONS, GiB, zero_state_bytes
+    from .model import param_count_formula
+    from .zero import wire_bytes_per_step
+
+    configs = _explorer_configs()
+    counts = {name: param_count_formula(config) for name, config in configs.items()}
+    counts.update({"7.1e9 (the source's 7B)": int(7.1e9), "70e9 (the source's 70B)": int(70e9)})
+    controls = {
+        "model": widgets.Dropdown(options=[*counts, "custom"], value=model, description="model"),
+        "hidden": widgets.SelectionSlider(options=[2**k for k in range(9, 15)], value=4096,
+                                          description="custom hidden"),
+        "layers": widgets.IntSlider(value=32, min=1, max=128, description="custom layers"),
+        "stage": widgets.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="ZeRO stage"),
+        "ranks": widgets.SelectionSlider(options=list(ZERO_RANKS), value=ranks, description="ranks"),
+        "convention": widgets.Dropdown(options=list(CONVENTIONS), value=convention, description="precision"),
+        "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+    }
+    for control in controls.values():
+        control.style = {"description_width": "100px"}
+        if hasattr(control, "continuous_update"):
+            control.continuous_update = False
+    out = widgets.Output()
+    panel = widgets.VBox([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "hidden", "layers", "gpu")]),
+                                        widgets.VBox([controls[k] for k in ("stage", "ranks", "convention")])]),
+                          out])
+    names = {0: "stage 0 (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+    def show(_=None):
+        name = controls["model"].value
+        custom = name == "custom"
+        controls["hidden"].layout.display = controls["layers"].layout.display = None if custom else "none"
+        params = (param_count_formula(_custom_config(controls["hidden"].value, controls["layers"].value))
+                  if custom else counts[name])
+        convention = CONVENTIONS[controls["convention"].value]
+        n, chosen = controls["ranks"].value, controls["stage"].value
+        panel.memory = {names[s]: zero_state_bytes(params, s, n, **convention.per_param) for s in range(4)}
+        panel.wire = {names[s]: sum(wire_bytes_per_step(convention.grad_bytes * params, s, n).values())
+                      for s in range(4)}
+        capacity = GPUS[controls["gpu"].value]
+        with out:
+            out.clear_output(wait=True)
+            fig = plots.zero_explorer_figure(panel.memory, panel.wire, highlight=names[chosen],
+                                             capacity_bytes=capacity, capacity_label=controls["gpu"].value,
+                                             title=f"{name}: {params / 1e9:.2f}B parameters, {n} ranks, "
+                                                   f"{controls['convention'].value}")
+            display(fig)
+            plt.close(fig)
+            state = panel.memory[names[chosen]]["total"]
+            verdict = "fits" if state <= capacity else f"does not fit: {state / capacity:.1f}× the card"
+            print(f"{names[chosen]} on {n} ranks: {state / GiB:,.1f} GiB of training state per rank ({verdict}, "
+                  f"before activations); each rank sends {panel.wire[names[chosen]] / GiB:,.1f} GiB per step")
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    panel.controls = controls   # a notebook cell can set values and read panel.memory and panel.wire
     return panel

@@ -1,0 +1,133 @@
+"""Lab 02: data parallelism three ways (naive, bucketed with overlap, torch's DDP) on N ranks, timed and counted.
+
+    python labs/ddp.py --world-size 2                                    # this CPU: 2 gloo ranks via launch()
+    torchrun --nproc-per-node 8 labs/ddp.py --hidden 1024 --layers 8 --steps 50 --bucket-mb 25   # one GPU box
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        labs/ddp.py --hidden 2048 --layers 16                                                  # two boxes
+
+Every rank builds the same model, and each implementation in turn trains it for --steps steps on the same
+batches (each rank its own slice; --accumulation micro-steps per optimizer step, synced once). For each the lab
+prints the median step split into compute (forward + backward), exposed communication (the wait for gradients
+after backward) and optimizer; the bytes each rank sends per step, predicted (gradient bytes × 2(p-1)/p) and
+traced through course_lib.comm (torch's DDP bypasses it: "-"); the spread between replicas (0 when they are
+identical); and how far ours ends from torch's DDP on the same data. It writes labs/results/ddp.json, ddp.png
+(the step split) and ddp_timeline.png (one bucketed step on every rank).
+
+On GPUs the split is measured after the compute stream has caught up; NCCL reports an all-reduce's future as
+done when it is enqueued, so there the timeline's per-bucket bars show launches, not transfers.
+"""
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib import device, launch
+from course_lib.comm import Comm
+from course_lib.data import SyntheticTokens
+from course_lib.ddp import MiB, micro_batches, phase_seconds, replica_spread, train_step, wrap
+from course_lib.model import build, preset
+
+KINDS = ("naive", "bucketed", "torch")
+
+
+def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batch, accumulation, seq_len, lr,
+                            bucket_bytes):
+    config = preset("tiny", **overrides)
+    comm, dev = Comm(), device()
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=0)
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+        progress = tqdm(total=steps * len(KINDS), desc=f"{world_size} ranks", mininterval=1.0)
+    results = {}
+    for kind in KINDS:
+        model = build(config, seed=0, device=dev)
+        parallel = wrap(model, kind, comm, bucket_bytes)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        records = []
+        for step in range(steps):
+            batches = [(x.to(dev), y.to(dev)) for x, y in
+                       micro_batches(data, step, per_rank_batch, rank, world_size, accumulation)]
+            if hasattr(parallel, "timeline"):
+                parallel.timeline = []
+            with comm.trace() as log:
+                record = train_step(parallel, optimizer, batches)
+            record.update(wire_bytes=log.wire_bytes, timeline=getattr(parallel, "timeline", None) or [])
+            records.append(record)
+            if progress is not None:
+                progress.update()
+        results[kind] = {"steps": records, "spread": replica_spread(model, comm),
+                         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(),
+                         "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    if progress is not None:
+        progress.close()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--per-rank-batch", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of ours and torch's, MiB")
+    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    overrides = {k: v for k, v in {"hidden": args.hidden, "num_layers": args.layers}.items() if v}
+    if args.hidden:  # keep head_dim at 8 and the MLP at 2x the width, as in the tiny model
+        overrides.update(num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16, intermediate=2 * args.hidden)
+    results = launch(compare_implementations, args.world_size, timeout=3600, overrides=overrides, steps=args.steps,
+                     per_rank_batch=args.per_rank_batch, accumulation=args.accumulation, seq_len=args.seq_len,
+                     lr=args.lr, bucket_bytes=int(args.bucket_mb * MiB))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    p = args.world_size
+    grad_bytes = results[0]["torch"]["grad_bytes"]
+    predicted = grad_bytes * 2 * (p - 1) / p
+    backend = dist.get_backend() if dist.is_initialized() else ("nccl" if torch.cuda.is_available() else "gloo")
+    name = torch.cuda.get_device_name() if backend == "nccl" else f"CPU ({platform.processor() or platform.machine()})"
+    print(f"\n{p} ranks ({backend}, {name}), {grad_bytes // 4:,} parameters, {args.bucket_mb} MiB buckets, "
+          f"global batch {args.per_rank_batch} × {p} × {args.accumulation}")
+    print(f"{'DDP':>9} {'step ms':>8} {'compute':>8} {'exposed':>8} {'optim':>6} {'wire bytes':>12} "
+          f"{'predicted':>12} {'spread':>7} {'vs torch':>9}")
+    rows = []
+    for kind in KINDS:
+        run = results[0][kind]
+        phases = phase_seconds([r[kind]["steps"] for r in results])
+        traced = run["steps"][-1]["wire_bytes"] if kind != "torch" else None
+        gap = (run["params"] - results[0]["torch"]["params"]).abs().max().item()
+        rows.append({"kind": kind, "step_ms": phases["step"] * 1e3, "compute_ms": phases["compute"] * 1e3,
+                     "exposed_ms": phases["exposed communication"] * 1e3, "optimizer_ms": phases["optimizer"] * 1e3,
+                     "wire_bytes": traced if traced is not None else predicted, "traced": traced is not None,
+                     "predicted_wire_bytes": predicted, "replica_spread": run["spread"], "max_diff_vs_torch": gap})
+        print(f"{kind:>9} {phases['step'] * 1e3:>8.2f} {phases['compute'] * 1e3:>8.2f} "
+              f"{phases['exposed communication'] * 1e3:>8.2f} {phases['optimizer'] * 1e3:>6.2f} "
+              f"{'-' if traced is None else f'{traced:,.0f}':>12} {predicted:>12,.0f} {run['spread']:>7.1e} {gap:>9.1e}")
+    steps = results[0]["bucketed"]["steps"]
+    totals = [s["end"] - s["start"] for s in steps[1:]]
+    typical = 1 + sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
+    timeline = [r["bucketed"]["steps"][typical] for r in results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"world_size": p, "backend": backend, "device": name, "params": grad_bytes // 4,
+              "bucket_mb": args.bucket_mb, "rows": rows, "bucketed_step_per_rank": timeline}
+    (args.out / "ddp.json").write_text(json.dumps(record, indent=1))
+    from course_lib.plots import ddp_timeline, step_time_split
+    step_time_split({row["kind"]: {"compute": row["compute_ms"] / 1e3, "exposed communication": row["exposed_ms"] / 1e3,
+                                   "optimizer": row["optimizer_ms"] / 1e3} for row in rows},
+                    title=f"{p} ranks ({backend}): where a step's time goes").savefig(args.out / "ddp.png", dpi=100)
+    ddp_timeline(timeline, title=f"bucketed DDP, step {typical}, {p} ranks ({backend})").savefig(
+        args.out / "ddp_timeline.png", dpi=100)
+    print(f"wrote {args.out / 'ddp.json'}, ddp.png and ddp_timeline.png")
+
+
+if __name__ == "__main__":
+    main()
