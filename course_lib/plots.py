@@ -89,7 +89,7 @@ PIPELINE_COLORS = {"F": "tab:blue", "B": "tab:green"}
 
 def pipeline_gantt(timeline, *, title: str | None = None, ax=None, in_flight: bool = False):
     """A Gantt chart of a pipeline_parallel.Timeline: one row per rank (stage 0 on top), a bar per forward
-    (blue) and backward (green) labelled with its micro-batch, idle time hatched, each rank's measured idle
+    (blue) and backward (green) labelled with its micro-batch, idle time light grey, each rank's measured idle
     fraction on the right. ``in_flight``: a second panel with the micro-batches each rank holds over time."""
     rows = 2 if in_flight else 1
     if ax is None:
@@ -101,7 +101,7 @@ def pipeline_gantt(timeline, *, title: str | None = None, ax=None, in_flight: bo
     t0 = min(e.start for e in timeline.events)
     span = timeline.makespan * 1e3
     for rank in range(timeline.num_stages):
-        ax.barh(rank, span, left=0, height=0.7, color="white", edgecolor="0.8", hatch="////", lw=0)
+        ax.barh(rank, span, left=0, height=0.7, color="0.93", lw=0)     # idle unless an op covers it
         ax.annotate(f"idle {timeline.idle_fraction(rank):.0%}", (span, rank), xytext=(4, 0),
                     textcoords="offset points", va="center", fontsize=8)
     for e in timeline.events:
@@ -115,7 +115,7 @@ def pipeline_gantt(timeline, *, title: str | None = None, ax=None, in_flight: bo
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
     ax.set_xlim(0, span * 1.14)   # room for the idle fractions
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.85) for c in PIPELINE_COLORS.values()]
-    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.6", hatch="////"))
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="0.93"))
     ax.legend(handles, ["forward", "backward", "idle"], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
               frameon=False)
     ax.set_title(title or f"p = {timeline.num_stages} stages, m = {timeline.num_microbatches} micro-batches: "
@@ -374,10 +374,10 @@ def zero_per_rank_bars(measured: dict[int, dict[int, list[dict]]], predicted: di
             ax.set_xlim(-0.6, len(per_rank) - 0.4)
             ax.set_title(f"{ZERO_STAGE_NAMES[stage]}, {ranks} ranks", fontsize=8)
         axes[i, 0].set_ylabel(f"{name} per rank", fontsize=8)
-    fig.legend(fontsize=8, loc="upper right", ncol=3, frameon=False)
+    fig.legend(fontsize=8, loc="lower center", ncol=3, frameon=False)
     fig.suptitle(title or "training state per rank, measured (bars) and predicted (line)", fontsize=10, x=0.02,
                  ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
@@ -415,32 +415,37 @@ def zero_wire_bytes(rows: dict[str, dict[str, float]], *, counted: dict[str, flo
 
 def zero_memory_timeline(timeline: list[dict], *, shard_bytes: int | None = None,
                          unit: tuple[str, int] = ("KiB", 2**10), title: str = "one ZeRO-3 step on one rank"):
-    """Weights and gradients one rank holds over a step (ZeroDataParallel.timeline: bytes counted at every
-    gather, free and reduce), as steps in time; each gather is labelled with its unit."""
+    """Weights (top) and gradients (bottom) one rank holds over a step (ZeroDataParallel.timeline: bytes
+    counted at every gather, free and reduce), as steps in time; each gather is labelled with its unit."""
     name, scale = unit
     t0 = timeline[0]["time"]
     ms = [(e["time"] - t0) * 1e3 for e in timeline]
-    fig, ax = plt.subplots(figsize=(8.0, 3.4))
-    for part, color in (("weights", MEMORY_COLORS["weights"]), ("grads", MEMORY_COLORS["grads"])):
-        ax.step(ms, [e[part] / scale for e in timeline], where="post", color=color, lw=1.8, label=part)
-    if shard_bytes is not None:
-        ax.axhline(shard_bytes / scale, ls=":", color="0.4", lw=1)
-        ax.annotate("this rank's shard only", (ms[-1], shard_bytes / scale), xytext=(0, -10),
-                    textcoords="offset points", ha="right", fontsize=7, color="0.3")
-    top = max(e["weights"] for e in timeline) / scale
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, 4.4), sharex=True)
     backward = next((t for t, e in zip(ms, timeline) if e["event"] == "gather (backward)"), None)
-    if backward is not None:
-        ax.axvspan(0, backward, color="tab:blue", alpha=0.05)
-        ax.axvspan(backward, ms[-1], color="tab:green", alpha=0.05)
-        ax.annotate("forward", (0, top * 1.12), fontsize=8, color="tab:blue")
-        ax.annotate("backward", (backward, top * 1.12), fontsize=8, color="tab:green")
+    for ax, part in zip(axes, ("weights", "grads")):
+        values = [e[part] / scale for e in timeline]
+        ax.step(ms, values, where="post", color=MEMORY_COLORS[part], lw=1.8)
+        top = max(values)
+        if shard_bytes is not None:
+            ax.axhline(shard_bytes / scale, ls=":", color="0.4", lw=1)
+            ax.annotate("this rank's shard only", (ms[-1], shard_bytes / scale), xytext=(0, -10),
+                        textcoords="offset points", ha="right", fontsize=7, color="0.3")
+        if backward is not None:
+            ax.axvspan(0, backward, color="tab:blue", alpha=0.05)
+            ax.axvspan(backward, ms[-1], color="tab:green", alpha=0.05)
+        ax.set(ylabel=f"{part}, {name}", ylim=(0, top * 1.3))
+        ax.yaxis.label.set_fontsize(8)
+        ax.tick_params(labelsize=8)
     for t, e in zip(ms, timeline):
         if e["event"].startswith("gather"):
-            ax.annotate(e["unit"], (t, e["weights"] / scale), xytext=(1, 2), textcoords="offset points",
-                        fontsize=6, rotation=90, va="bottom")
-    ax.set(xlabel="milliseconds since the step began", ylabel=f"{name} held", ylim=(0, top * 1.25))
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+            axes[0].annotate(e["unit"], (t, e["weights"] / scale), xytext=(1, 2), textcoords="offset points",
+                             fontsize=6, rotation=90, va="bottom")
+    if backward is not None:
+        axes[0].annotate("forward", (0, 0), xytext=(2, 3), textcoords="offset points", fontsize=8, color="tab:blue")
+        axes[0].annotate("backward", (backward, 0), xytext=(2, 3), textcoords="offset points", fontsize=8,
+                         color="tab:green")
+    axes[1].set_xlabel("milliseconds since the step began")
+    axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -1,0 +1,366 @@
+"""ZeRO stages 1, 2 and 3 by hand: shard the training state over the data-parallel ranks.
+
+Plain data parallelism (stage 0) keeps the whole training state on each of the N ranks. ZeRO, the Zero
+Redundancy Optimizer (零冗余优化器, Rajbhandari et al. 2020), removes the copies one part at a time. Rank r only
+has to *update* its own 1/N of the parameters, so it only needs their optimizer state (stage 1); then only their
+gradients (stage 2); then only their weights, borrowing the others' just while a layer runs (stage 3, which is
+what PyTorch's FSDP does). With w, g, o bytes per parameter (mixed-precision Adam: 2, 2, 12), per rank:
+
+    stage 0  (w + g + o)·P          stage 2  w·P + (g + o)·P/N
+    stage 1  (w + g)·P + o·P/N      stage 3  (w + g + o)·P/N
+
+Bytes each rank sends per step on a ring (comm.py), Ψ = bytes of all the gradients (= of all the weights):
+
+    stage 0    all-reduce the gradients                              2Ψ·(N-1)/N
+    stage 1, 2 reduce-scatter the gradients, all-gather the weights   Ψ·(N-1)/N + Ψ·(N-1)/N = 2Ψ·(N-1)/N
+    stage 3    all-gather weights for forward, again for backward,
+               reduce-scatter the gradients                          3Ψ·(N-1)/N, 1.5 x stage 0
+
+An all-reduce *is* a reduce-scatter followed by an all-gather; stages 1 and 2 do the two halves at different
+moments (gradients before the update, weights after it) and keep only their shard in between: memory saved for
+no extra bytes. Stage 3 throws each layer's weights away after use, so it gathers them twice.
+
+How it is built. The parameters are grouped into units (default_units: embed, each block, norm, head: the
+modules FSDP would wrap). Each unit's parameters move into one flat buffer of N·S elements, S = ceil(P_u/N),
+zero-padded at the end; the module's parameters become views of it (param.data = view), so the model runs
+unchanged. Rank r owns elements [r·S, (r+1)·S) of every unit, its shard: the one tensor its optimizer updates
+(stage 0: the whole buffer; stages 1, 2: a view of the buffer; stage 3: the only copy). When backward has
+finished a unit (post-accumulate-grad hooks), its gradients are all-reduced (stage 0), reduce-scattered from a
+flat gradient buffer that backward wrote into (stage 1), or flattened, reduce-scattered and dropped, so that one
+unit's full gradients exist at a time (stages 2, 3). Stage 3 frees the weight buffer (storage resized to 0)
+except between a unit's forward pre-hook and forward hook, and again from the moment the gradient reaches the
+unit's output in backward until its reduce-scatter. On gloo a reduce-scatter runs as a full all-reduce (it
+sends 2Ψ·(N-1)/N, notebook 02): the traced bytes above are the ring's, what NCCL sends.
+
+Per rank this is exactly ledger.zero_state_bytes(padded_num_params(...), stage, N), padded_num_params =
+Σ_u N·ceil(P_u/N): each unit's padding counts. It equals P when N divides every unit (the tiny model on 2, 4
+or 8 ranks); otherwise it exceeds P by fewer than N·(number of units) parameters.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .ledger import MixedPrecisionAdam, measure_state_bytes
+
+STAGES = (0, 1, 2, 3)
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weights stage 3 gathers together: each child of ``model`` that has parameters,
+    with each entry of a ModuleList a unit of its own. For the course's GPT: embed, layers[0..L-1], norm, head."""
+    units = []
+    for child in model.children():
+        for module in (child if isinstance(child, nn.ModuleList) else [child]):
+            if any(True for _ in module.parameters()):
+                units.append(module)
+    return units
+
+
+def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] | None = None) -> int:
+    """Σ over units of world_size·ceil(P_u/world_size): the parameters ZeroDataParallel stores, padding included."""
+    units = default_units(model) if units is None else units
+    return sum(-(-sum(p.numel() for p in unit.parameters()) // world_size) * world_size for unit in units)
+
+
+def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int) -> dict[str, float]:
+    """Bytes one rank sends per step, by op, on a ring of world_size ranks (the module docstring's table)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+    share = grad_bytes * (world_size - 1) / world_size          # one reduce-scatter, or one all-gather
+    return {0: {"all_reduce": 2 * share}, 1: {"reduce_scatter": share, "all_gather": share},
+            2: {"reduce_scatter": share, "all_gather": share},
+            3: {"all_gather": 2 * share, "reduce_scatter": share}}[stage]
+
+
+class _Unit:
+    """One unit's parameters in one flat buffer of world_size equal shards; the module's parameters view it."""
+
+    def __init__(self, name: str, module: nn.Module, world_size: int):
+        self.name, self.module = name, module
+        self.params = list(module.parameters())
+        if len({p.dtype for p in self.params}) > 1:
+            raise ValueError(f"unit {name} mixes dtypes {sorted({str(p.dtype) for p in self.params})}: one flat "
+                             "buffer holds one dtype")
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard_numel = -(-self.numel // world_size)          # S = ceil(P_u / N); the last shard is padded
+        self.full = torch.zeros(world_size * self.shard_numel, dtype=self.params[0].dtype,
+                                device=self.params[0].device)
+        self.offsets, offset = [], 0
+        with torch.no_grad():
+            for param in self.params:
+                view = self.full[offset:offset + param.numel()].view_as(param)
+                view.copy_(param)
+                param.data = view     # the parameter keeps its identity (hooks, optimizers), now in the buffer
+                self.offsets.append(offset)
+                offset += param.numel()
+        self.ready = 0                # parameters whose gradient this backward has finished
+        self.flat_grad = None         # stages 0 and 1: the full gradients, as one buffer
+        self.shard = None             # the nn.Parameter this rank's optimizer updates
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)    # every view of the buffer (the module's weights) loses its memory
+
+    def gather(self, shard: torch.Tensor, comm: Comm):
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        comm.all_gather(self.full, shard.detach())
+
+
+class ZeroDataParallel(nn.Module):
+    """``module`` trained data-parallel with ZeRO ``stage`` (0 = plain DDP) over ``comm``'s ranks.
+
+        model = ZeroDataParallel(build(config), Comm(), stage=3, lr=1e-3)   # optimizer_class(shards, lr=1e-3)
+        loss_fn(model(inputs), targets).backward()                          # each rank: its slice of the batch
+        model.step()                                                        # update; the next step may start
+
+    Gradients are averaged over the ranks during backward; ``step()`` runs the optimizer on this rank's shards
+    and (stages 1, 2) all-gathers the updated weights. ``parameters()`` lists the module's parameters and the
+    shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
+    ledger.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``timeline = []`` to record, at each
+    gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, stage: int, optimizer_class=MixedPrecisionAdam,
+                 units: list[nn.Module] | None = None, **optimizer_kwargs):
+        super().__init__()
+        if stage not in STAGES or isinstance(stage, bool):
+            raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+        self.module, self.comm, self.stage = module, comm, stage
+        units = default_units(module) if units is None else units
+        names = {id(m): name for name, m in module.named_modules()}
+        owner = {}
+        for unit in units:
+            for name, param in unit.named_parameters():
+                if id(param) in owner:
+                    raise ValueError(f"parameter {names[id(unit)]}.{name} is also in unit {owner[id(param)]}: a "
+                                     "weight shared by two units (tied embeddings?) must sit in one unit")
+                owner[id(param)] = names[id(unit)]
+        missing = [name for name, p in module.named_parameters() if id(p) not in owner]
+        if missing:
+            raise ValueError(f"parameters in no unit: {missing}; every parameter must belong to one unit")
+        self.units = [_Unit(names[id(unit)], unit, comm.size) for unit in units]
+        self.timeline: list[dict] | None = None
+        rank, shards = comm.rank, []
+        for unit in self.units:
+            comm.broadcast(unit.full, src=0)               # every rank starts from rank 0's weights
+            mine = slice(rank * unit.shard_numel, (rank + 1) * unit.shard_numel)
+            if stage == 0:
+                shard = nn.Parameter(unit.full)            # nothing sharded: the optimizer updates everything
+            elif stage < 3:
+                shard = nn.Parameter(unit.full[mine])      # a view: updating it updates this rank's weights
+            else:
+                shard = nn.Parameter(unit.full[mine].clone())   # the only lasting copy of this rank's weights
+                unit.free()
+            if stage <= 1:                                 # full gradients kept: backward writes into views
+                unit.flat_grad = torch.zeros_like(unit.full)
+                for param, offset in zip(unit.params, unit.offsets):
+                    param.grad = unit.flat_grad[offset:offset + param.numel()].view_as(param)
+                shard.grad = unit.flat_grad if stage == 0 else unit.flat_grad[mine]
+            else:
+                shard.grad = torch.zeros_like(shard)       # the reduced gradients of this rank's shard only
+            unit.shard = shard
+            shards.append(shard)
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(lambda param, unit=unit: self._gradient_ready(unit))
+            if stage == 3:
+                unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._gather(unit, "forward"))
+                unit.module.register_forward_hook(lambda module, args, output, unit=unit:
+                                                  self._after_forward(unit, output))
+        self.shards = nn.ParameterList(shards)
+        self.optimizer = optimizer_class(list(self.shards), **optimizer_kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- stage 3: borrow a unit's weights just while it runs
+
+    def _gather(self, unit: _Unit, phase: str):
+        if not unit.gathered:
+            unit.gather(unit.shard, self.comm)
+            self._record(f"gather ({phase})", unit)
+
+    def _after_forward(self, unit: _Unit, output):
+        if torch.is_grad_enabled():
+            # Backward needs the weights again: gather them when the gradient reaches this unit's output.
+            for tensor in output if isinstance(output, (tuple, list)) else [output]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: self._gather(unit, "backward"))
+        unit.free()
+        self._record("free (forward)", unit)
+
+    # ---- every stage: average the gradients once backward has finished a unit
+
+    def _gradient_ready(self, unit: _Unit):
+        unit.ready += 1
+        if unit.ready > len(unit.params):
+            raise RuntimeError(f"unit {unit.name}: a second backward before step(); ZeroDataParallel takes one "
+                               "backward per step() (it has no gradient accumulation)")
+        if unit.ready < len(unit.params):
+            return
+        self._record("gradients ready", unit)             # stages 2, 3: this unit's full gradients exist now
+        shard, size = unit.shard, self.comm.size
+        if unit.flat_grad is not None and any(p.grad.data_ptr() != unit.flat_grad.data_ptr() +
+                                              offset * p.grad.element_size() for p, offset in
+                                              zip(unit.params, unit.offsets)):
+            raise RuntimeError(f"unit {unit.name}: gradients are no longer views of the flat gradient buffer; "
+                               "reset them with model.zero_grad() (or let step() do it), not the module's own")
+        if self.stage == 0:
+            self.comm.all_reduce(unit.flat_grad)
+            unit.flat_grad.div_(size)
+        elif self.stage == 1:
+            reduced = torch.empty_like(shard.grad)
+            self.comm.reduce_scatter(reduced, unit.flat_grad)
+            shard.grad.copy_(reduced.div_(size))            # shard.grad is this rank's slice of flat_grad
+        else:
+            padding = unit.full.numel() - unit.numel
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.params] + [unit.full.new_zeros(padding)])
+            for param in unit.params:
+                param.grad = None                           # stage 2's saving: full gradients live one unit long
+            self.comm.reduce_scatter(shard.grad, flat)
+            shard.grad.div_(size)
+            if self.stage == 3:
+                unit.free()
+        self._record("reduce gradients", unit)
+
+    def step(self):
+        """Update this rank's shards (gradients already averaged); stages 1, 2: all-gather the new weights."""
+        for unit in self.units:
+            if unit.ready != len(unit.params):
+                raise RuntimeError(f"unit {unit.name}: {unit.ready} of its {len(unit.params)} parameters got a "
+                                   "gradient since the last step(); every parameter must take part in the loss "
+                                   "on every rank")
+            unit.ready = 0
+        self.optimizer.step()
+        for unit in self.units:
+            if self.stage in (1, 2):
+                self.comm.all_gather(unit.full, unit.shard.detach().clone())   # a copy: the input is part of the output
+            if unit.flat_grad is not None:
+                unit.flat_grad.zero_()                      # backward adds into these views next step
+        self._record("step", None)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Nothing to do: step() zeroes the flat gradient buffers (stages 0, 1) that backward adds into, and
+        stages 2, 3 keep no module gradients. (nn.Module's zero_grad would set them to None, breaking the views.)"""
+
+    def full_parameters(self) -> torch.Tensor:
+        """Every weight of the module, flattened in module.parameters() order, the same on every rank (a
+        collective in stage 3: call it on every rank)."""
+        pieces = {}
+        for unit in self.units:
+            full = unit.full
+            if not unit.gathered:
+                full = torch.empty(unit.full.numel(), dtype=full.dtype, device=full.device)
+                self.comm.all_gather(full, unit.shard.detach())
+            for param, offset in zip(unit.params, unit.offsets):
+                pieces[id(param)] = full[offset:offset + param.numel()].clone()
+        return torch.cat([pieces[id(p)] for p in self.module.parameters()])
+
+    def _record(self, event: str, unit: _Unit | None):
+        if self.timeline is not None:
+            held = measure_state_bytes(self, self.optimizer)
+            self.timeline.append({"time": time.perf_counter(), "event": event, "unit": unit and unit.name,
+                                  "weights": held["weights"], "grads": held["grads"]})
+
+
+# ---------------------------------------------------------------------------------------- training runs
+
+IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
+
+
+def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
+          seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam", dtype=torch.float32, config=None,
+          seed: int = 0, timeline: bool = False, progress: bool = False) -> dict:
+    """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
+    "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
+    "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
+    plus the root: stage 3). ``optimizer``: "adam" (torch's, foreach=False), "sgd", or "mixed"
+    (MixedPrecisionAdam: 12 bytes of state per parameter; use it with dtype=torch.bfloat16).
+
+    Returns lists with one entry per step: "losses" (this rank's), "step_seconds", "comm_seconds" and
+    "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
+    "bytes_written" (counted by the kernel; None without /proc); and "state" (measure_state_bytes after the last
+    step), "params" (the full weights, flattened), "timeline" (ours, last step, if asked).
+    ``progress``: a tqdm bar on rank 0.
+    """
+    import functools
+    import warnings
+
+    from .data import SyntheticTokens
+    from .ddp import bytes_written
+    from .launch import device
+    from .model import build, loss_fn, preset
+
+    warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's notice on reduce_scatter/all_gather
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    optimizers = {"adam": functools.partial(torch.optim.Adam, foreach=False), "sgd": torch.optim.SGD,
+                  "mixed": MixedPrecisionAdam}
+    if optimizer not in optimizers:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(optimizers)}")
+    optimizer_class, comm, dev = optimizers[optimizer], Comm(), device()
+    config = config or preset("tiny")
+    module = build(config, seed=seed, device=dev, dtype=dtype)
+    if impl == "ours":
+        model = ZeroDataParallel(module, comm, stage, optimizer_class, lr=lr)
+        update = model.optimizer
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+        model = module
+        if impl == "fully_shard":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(dev.type, (world_size,))
+            for unit in default_units(module):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        else:
+            model = DistributedDataParallel(module, device_ids=[dev.index] if dev.type == "cuda" else None)
+        if impl == "zero_redundancy":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            update = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=optimizer_class, lr=lr)
+        else:
+            update = optimizer_class(module.parameters(), lr=lr)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
+    run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
+           "timeline": None}
+    steps_range = range(steps)
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+        steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
+                           mininterval=1.0)
+    for step in steps_range:
+        inputs, targets = (t.to(dev) for t in data.rank_batch(step, per_rank_batch * world_size, rank, world_size))
+        if impl != "ours":
+            update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
+        if timeline and impl == "ours" and step == steps - 1:
+            model.timeline = []
+        comm.barrier()
+        written, start = bytes_written(), time.perf_counter()
+        with comm.trace() as log:
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            (model if impl == "ours" else update).step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        run["step_seconds"].append(time.perf_counter() - start)
+        run["bytes_written"].append(None if written is None else bytes_written() - written)
+        run["wire"].append({op: totals.wire_bytes for op, totals in log.summary().items()})
+        run["comm_seconds"].append(sum(record.seconds for record in log.records) if impl == "ours" else None)
+        run["collectives"].append(len(log.records))
+        run["losses"].append(loss.item())
+    run["state"] = measure_state_bytes(model, update)
+    if impl == "ours":
+        run["params"], run["timeline"] = model.full_parameters().cpu(), model.timeline
+    elif impl == "fully_shard":
+        run["params"] = torch.cat([p.full_tensor().reshape(-1) for p in module.parameters()]).cpu()
+    else:
+        run["params"] = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    return run

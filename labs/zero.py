@@ -1,0 +1,110 @@
+"""Lab 03: ZeRO stages 0-3 by hand, and torch's ZeroRedundancyOptimizer and FSDP2 fully_shard, on N ranks.
+
+    python labs/zero.py --world-size 4                                          # this CPU: 4 gloo ranks
+    torchrun --nproc-per-node 8 labs/zero.py --hidden 2048 --layers 16 --steps 20    # one GPU box (NCCL)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        labs/zero.py --hidden 4096 --layers 16                                  # two boxes
+
+Every run trains the same model (bf16 weights and gradients, MixedPrecisionAdam: the ledger's 2 + 2 + 12 bytes
+per parameter) on the same data. For each, the lab prints: the training state per rank, measured from tensor
+storage on every rank (the largest is shown) against ledger.zero_state_bytes; the bytes each rank sent per
+step, traced (ours) against zero.wire_bytes_per_step (stages 0, 1, 2: 2Ψ(N-1)/N; stage 3: 3Ψ(N-1)/N); the
+median step time (slowest rank); the last loss, averaged over ranks. It checks that the measured state equals
+the formula, and reports how far torch's runs end from ours at the same stage (on 2 ranks: bit-identical; on
+more, bf16 sums in another order: about one bf16 step, 2**-7 relative). Writes labs/results/zero.json and zero.png (the
+state of every rank, every stage) for notebook 03 to show beside the learner's CPU run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from course_lib import launch
+from course_lib.ledger import zero_state_bytes
+from course_lib.model import build, preset
+from course_lib.zero import padded_num_params, train, wire_bytes_per_step
+
+RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 1), ("fully_shard", 3)]
+
+
+def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
+    results = {}
+    for impl, stage in RUNS:
+        run = train(rank, world_size, impl=impl, stage=stage, steps=steps, per_rank_batch=per_rank_batch,
+                    seq_len=seq_len, lr=lr, optimizer="mixed", dtype=torch.bfloat16, config=config, progress=True)
+        run["params"] = run["params"].float()         # bf16 weights, sent back as fp32 for the comparison
+        results[f"{impl} {stage}"] = run
+    results["backend"] = torch.distributed.get_backend()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--per-rank-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    overrides = {"max_seq_len": max(64, args.seq_len)}
+    if args.layers:
+        overrides["num_layers"] = args.layers
+    if args.hidden:  # heads of 8 channels and an MLP 3x as wide, as benchmarks/zero.py
+        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
+                         intermediate=3 * args.hidden)
+    config = preset("tiny", **overrides)
+    per_rank = launch(every_run, args.world_size, config=config, steps=args.steps, per_rank_batch=args.per_rank_batch,
+                      seq_len=args.seq_len, lr=args.lr, timeout=3600)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    n = args.world_size
+    params = sum(p.numel() for p in build(config, device="meta").parameters())
+    padded = padded_num_params(build(config, device="meta"), n)
+    grad_bytes = 2 * padded
+    print(f"\n{n} ranks ({per_rank[0]['backend']}), {params:,} parameters ({padded:,} with padding), bf16 + MixedPrecisionAdam, "
+          f"{args.per_rank_batch} x {args.seq_len} tokens per rank, median of {args.steps - 1} steps\n")
+    print(f"{'run':>18} {'state/rank (MiB)':>17} {'formula':>9} {'wire/step (MiB)':>16} {'formula':>9} "
+          f"{'step (ms)':>10} {'last loss':>10} {'max |Δw| vs ours':>17}")
+    record = {"world_size": n, "params": params, "padded_params": padded,
+              "backend": per_rank[0]["backend"], "runs": {}}
+    mib = 2**20
+    for impl, stage in RUNS:
+        key = f"{impl} {stage}"
+        runs = [ranks[key] for ranks in per_rank]
+        predicted = zero_state_bytes(padded, stage, n)
+        largest = max(run["state"]["total"] for run in runs)
+        wire = sum(runs[0]["wire"][-1].values()) if impl == "ours" else None
+        wire_predicted = sum(wire_bytes_per_step(grad_bytes, stage, n).values())
+        step = statistics.median(max(r["step_seconds"][i] for r in runs) for i in range(1, args.steps))
+        loss = sum(r["losses"][-1] for r in runs) / n
+        gap = (runs[0]["params"] - per_rank[0][f"ours {stage}"]["params"]).abs().max().item()
+        print(f"{key:>18} {largest / mib:>17.3f} {predicted['total'] / mib:>9.3f} "
+              f"{'—' if wire is None else f'{wire / mib:.3f}':>16} {wire_predicted / mib:>9.3f} {step * 1e3:>10.1f} "
+              f"{loss:>10.4f} {gap:>17.1e}")
+        if impl == "ours":   # the ledger, to the byte, on every rank
+            assert all({k: r["state"][k] for k in predicted} == predicted for r in runs), key
+            assert abs(wire - wire_predicted) <= 1e-9 * wire_predicted, key
+        record["runs"][key] = {"impl": impl, "stage": stage, "state_per_rank": [r["state"] for r in runs],
+                               "predicted_state": predicted, "wire_bytes": wire, "predicted_wire_bytes": wire_predicted,
+                               "step_seconds": step, "losses": [sum(x) / n for x in zip(*(r["losses"] for r in runs))],
+                               "bytes_written": runs[0]["bytes_written"][-1], "max_weight_gap_vs_ours": gap}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "zero.json").write_text(json.dumps(record, indent=1))
+    from course_lib.plots import zero_per_rank_bars
+    unit = ("GiB", 2**30) if predicted["total"] > 2**31 else ("MiB", 2**20) if predicted["total"] > 2**21 else ("KiB", 2**10)
+    measured = {n: {s: record["runs"][f"ours {s}"]["state_per_rank"] for s in range(4)}}
+    formula = {n: {s: record["runs"][f"ours {s}"]["predicted_state"]["total"] for s in range(4)}}
+    zero_per_rank_bars(measured, formula, unit=unit, title=f"{params:,} parameters on {n} ranks: training state per "
+                       "rank, measured (bars) and zero_state_bytes (line)").savefig(args.out / "zero.png", dpi=100)
+    print(f"\nwrote {args.out / 'zero.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""course_lib.zero: ZeRO stages 0-3 by hand, checked against one process on the global batch, against torch's
+DistributedDataParallel, ZeroRedundancyOptimizer and FSDP2 fully_shard on the same data, byte for byte against
+the ledger's zero_state_bytes, and against the traced bytes of the ring formula.
+
+Tolerances.
+* One process vs N ranks, SGD, float64: the two compute the same gradients from batches of different shapes
+  (12 rows at once, or 4 + 4 + 4 then a sum), and the course model computes its rotary embeddings in fp32 even
+  in a float64 model, so gradients differ by up to ~2e-11 (measured). SGD is linear in the gradient: weights
+  differ by ~lr × that × steps ≈ 1e-11. 1e-9 leaves 100x room and still catches a missing division by the
+  world size (a 2x gradient: ~1e-3 on the weights) or a shard updated with another rank's gradient.
+* One process vs N ranks, Adam, float64: Adam divides by sqrt(v) + eps, which turns a gradient error δ into a
+  weight error of up to lr·δ/eps = 1e-2 × 2e-11 / 1e-8 ≈ 2e-5 per step where a gradient is ~0 (measured: 1e-13
+  on 2 ranks, 8e-7 on 3). 1e-4 still catches a wrong or stale shard, which moves a weight by ~lr = 1e-2 per step.
+  Adam is blind to a missing division by N (it divides by the gradient's own size): that is the SGD test's job.
+* Ours vs torch's implementations, Adam, float64: every rank computes the same gradients in both, only the
+  order of the sums over ranks may differ: ~1e-17; Adam's lr/eps = 1e6 amplification bounds the weights' gap by
+  1e-11 (measured 3e-15). 1e-10.
+"""
+
+import pytest
+import torch
+
+from course_lib import RankError, launch
+from course_lib.comm import Comm
+from course_lib.data import SyntheticTokens
+from course_lib.ledger import measure_state_bytes, zero_state_bytes
+from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.zero import (ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step)
+
+STEPS = 3
+TINY = preset("tiny")
+P = count_params(TINY)
+NUM_UNITS = len(default_units(build(TINY)))      # embed, 4 layers, norm, head
+
+
+def every_run(rank, world_size):
+    """One launch per world size, every run in turn (a launch per run would start the ranks again)."""
+    runs = {}
+    for stage in range(4):
+        # the ledger's convention: bf16 weights and grads, MixedPrecisionAdam (12 bytes of fp32 state)
+        runs["mixed", stage] = train(rank, world_size, stage=stage, steps=2, optimizer="mixed",
+                                     dtype=torch.bfloat16, timeline=True)
+        runs["sgd", stage] = train(rank, world_size, stage=stage, steps=STEPS, optimizer="sgd", lr=0.1,
+                                   dtype=torch.float64)
+        runs["adam", stage] = train(rank, world_size, stage=stage, steps=STEPS, dtype=torch.float64)
+    for impl in ("ddp", "zero_redundancy", "fully_shard"):
+        runs[impl] = train(rank, world_size, impl=impl, steps=STEPS, dtype=torch.float64)
+    return runs
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n} ranks")
+def setup(request):
+    world_size = request.param
+    return world_size, launch(every_run, world_size, timeout=300)
+
+
+def one_process(optimizer_class, world_size, **kwargs):
+    """The reference: one process, Adam or SGD on the whole global batch, the same data and seed."""
+    model = build(TINY, seed=0, dtype=torch.float64)
+    optimizer = optimizer_class(model.parameters(), **kwargs)
+    data = SyntheticTokens(TINY.vocab_size, 32, seed=0)
+    for step in range(STEPS):
+        inputs, targets = data.batch(step, 4 * world_size)
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_every_stage_matches_one_process_with_sgd(setup):
+    world_size, per_rank = setup
+    reference = one_process(torch.optim.SGD, world_size, lr=0.1)
+    for stage in range(4):
+        for rank in range(world_size):
+            gap = (per_rank[rank]["sgd", stage]["params"] - reference).abs().max().item()
+            assert gap < 1e-9, (stage, rank, gap)
+
+
+def test_every_stage_matches_one_process_with_adam(setup):
+    world_size, per_rank = setup
+    reference = one_process(lambda params, lr: torch.optim.Adam(params, lr=lr, foreach=False), world_size, lr=1e-2)
+    for stage in range(4):
+        gap = (per_rank[0]["adam", stage]["params"] - reference).abs().max().item()
+        assert gap < 1e-4, (stage, gap)
+        assert all(torch.equal(ranks["adam", stage]["params"], per_rank[0]["adam", stage]["params"])
+                   for ranks in per_rank)             # every rank ends with the same weights, bit for bit
+
+
+def test_ours_matches_torch_ddp_zero_redundancy_and_fully_shard(setup):
+    world_size, per_rank = setup
+    for ours, theirs in [(0, "ddp"), (1, "zero_redundancy"), (3, "fully_shard")]:
+        gap = (per_rank[0]["adam", ours]["params"] - per_rank[0][theirs]["params"]).abs().max().item()
+        assert gap < 1e-10, (ours, theirs, gap)
+
+
+def test_state_bytes_per_rank_equal_the_ledger(setup):
+    """Measured from tensor storage on every rank: exactly zero_state_bytes, padding included (2 + 2 + 12)."""
+    world_size, per_rank = setup
+    padded = padded_num_params(build(TINY), world_size)
+    assert (padded == P) == (world_size in (2, 4))    # N divides every unit of the tiny model on 2 and 4 ranks
+    assert P <= padded < P + world_size * NUM_UNITS   # each unit pads fewer than N parameters
+    for stage in range(4):
+        predicted = zero_state_bytes(padded, stage, world_size)
+        for rank in range(world_size):
+            measured = dict(per_rank[rank]["mixed", stage]["state"])
+            assert measured.pop("step_counters") == 0
+            assert measured == predicted, (stage, rank)
+
+
+def test_fully_shard_holds_the_same_state_when_no_padding(setup):
+    world_size, per_rank = setup
+    ours, theirs = per_rank[0]["adam", 3]["state"], per_rank[0]["fully_shard"]["state"]
+    if world_size in (2, 4):      # FSDP2 pads every tensor's first dimension; no padding here either
+        assert all(ours[part] == theirs[part] for part in ("weights", "grads", "optimizer"))
+    assert ours["step_counters"] == 4 * NUM_UNITS     # torch's Adam: one float32 step per tensor it updates
+    assert theirs["step_counters"] == 4 * len(list(build(TINY).parameters()))
+
+
+def test_traced_bytes_on_the_wire(setup):
+    """Stages 0, 1, 2 send the same bytes (an all-reduce is a reduce-scatter + an all-gather); stage 3 sends 1.5x."""
+    world_size, per_rank = setup
+    grad_bytes = 2 * padded_num_params(build(TINY), world_size)      # bf16
+    totals = {}
+    for stage in range(4):
+        for step in per_rank[0]["mixed", stage]["wire"]:      # float sums over units: equal up to rounding
+            assert step == pytest.approx(wire_bytes_per_step(grad_bytes, stage, world_size), rel=1e-12)
+        totals[stage] = sum(per_rank[0]["mixed", stage]["wire"][-1].values())
+    ddp = 2 * grad_bytes * (world_size - 1) / world_size
+    assert totals[0] == pytest.approx(ddp, rel=1e-12) and totals[1] == totals[2] == pytest.approx(ddp, rel=1e-12)
+    assert totals[3] == pytest.approx(1.5 * ddp, rel=1e-12)
+
+
+def test_stage3_gathers_each_unit_twice_and_holds_one_at_a_time(setup):
+    world_size, per_rank = setup
+    timeline = per_rank[0]["mixed", 3]["timeline"]
+    model = build(TINY)
+    units = [name for name, m in model.named_modules() if m in default_units(model)]
+    gathers = [(e["event"], e["unit"]) for e in timeline if e["event"].startswith("gather")]
+    assert gathers == [("gather (forward)", u) for u in units] + [("gather (backward)", u) for u in units[::-1]]
+    shard_bytes = 2 * padded_num_params(model, world_size) // world_size
+    largest_unit = 2 * max(sum(p.numel() for p in m.parameters()) for m in default_units(model))
+    largest_buffer = 2 * world_size * -(-largest_unit // 2 // world_size)     # the flat buffer, padding included
+    assert max(e["weights"] for e in timeline) == shard_bytes + largest_buffer  # one block's weights, no more
+    assert timeline[-1]["weights"] == shard_bytes                               # all freed after the step
+    # backward: one unit's full gradients at a time (autograd's, unpadded), then only the shard's
+    assert max(e["grads"] for e in timeline) == shard_bytes + largest_unit
+    assert timeline[-1]["grads"] == shard_bytes
+
+
+def test_stage2_never_holds_all_gradients(setup):
+    world_size, per_rank = setup
+    timeline = per_rank[0]["mixed", 2]["timeline"]
+    shard_bytes = 2 * padded_num_params(build(TINY), world_size) // world_size
+    largest_unit = 2 * max(sum(p.numel() for p in m.parameters()) for m in default_units(build(TINY)))
+    assert max(e["grads"] for e in timeline) == shard_bytes + largest_unit < 2 * P
+    assert all(e["weights"] == 2 * padded_num_params(build(TINY), world_size) for e in timeline)
+
+
+def _uneven_shards(rank, world_size):
+    comm = Comm()
+    model = ZeroDataParallel(build(TINY, seed=0), comm, stage=3, optimizer_class=torch.optim.SGD, lr=0.1)
+    data = SyntheticTokens(TINY.vocab_size, 32, seed=0)
+    for step in range(2):
+        loss_fn(model(data.rank_batch(step, 4 * world_size, rank, world_size)[0]),
+                data.rank_batch(step, 4 * world_size, rank, world_size)[1]).backward()
+        model.step()
+    tails = [unit.shard.detach()[unit.numel - rank * unit.shard_numel:] for unit in model.units
+             if (rank + 1) * unit.shard_numel > unit.numel]
+    return ([unit.shard.numel() for unit in model.units], [unit.shard.detach().clone() for unit in model.units],
+            tails, model.full_parameters())
+
+
+def test_uneven_shards_are_padded_at_the_end_and_the_padding_stays_zero():
+    world_size = 3
+    per_rank = launch(_uneven_shards, world_size)
+    sizes = [sizes for sizes, *_ in per_rank]
+    assert sizes[0] == sizes[1] == sizes[2]                        # equal shards: what all-gather needs
+    units = default_units(build(TINY))
+    assert sizes[0] == [-(-sum(p.numel() for p in u.parameters()) // world_size) for u in units]
+    # rank 2 holds every unit's padding; it never learns anything
+    assert len(per_rank[2][2]) == len(units) and all(torch.count_nonzero(t) == 0 for t in per_rank[2][2])
+    # the shards, concatenated in rank order with the padding cut off, are the weights every rank reports
+    full = per_rank[0][3]
+    offset = 0
+    for u, unit in enumerate(units):
+        numel = sum(p.numel() for p in unit.parameters())
+        assert torch.equal(torch.cat([per_rank[r][1][u] for r in range(world_size)])[:numel],
+                           full[offset:offset + numel])
+        offset += numel
+    assert offset == full.numel() == P
+
+
+def test_wire_bytes_per_step_formula():
+    assert wire_bytes_per_step(1000, 0, 4) == {"all_reduce": 1500.0}
+    assert wire_bytes_per_step(1000, 2, 4) == {"reduce_scatter": 750.0, "all_gather": 750.0}
+    assert sum(wire_bytes_per_step(1000, 3, 4).values()) == 2250.0
+    with pytest.raises(ValueError, match="stage=4"):
+        wire_bytes_per_step(1000, 4, 4)
+
+
+def test_default_units_of_the_course_model():
+    model = build(TINY)
+    names = {id(m): name for name, m in model.named_modules()}
+    assert [names[id(m)] for m in default_units(model)] == ["embed", "layers.0", "layers.1", "layers.2",
+                                                           "layers.3", "norm", "head"]
+
+
+def _bad_inputs(rank, world_size, case):
+    comm, module = Comm(), build(TINY)
+    if case == "stage":
+        ZeroDataParallel(module, comm, stage=4)
+    elif case == "tied":
+        ZeroDataParallel(build(preset("tiny", tie_embeddings=True)), comm, stage=3)
+    elif case == "no backward":
+        ZeroDataParallel(module, comm, stage=2).step()
+    elif case == "unit missing":
+        ZeroDataParallel(module, comm, stage=2, units=default_units(module)[1:])
+    elif case == "grads replaced":
+        model = ZeroDataParallel(module, comm, stage=1)
+        module.zero_grad()                       # nn.Module's: sets the gradient views to None
+        inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
+        loss_fn(model(inputs), targets).backward()
+    elif case == "two backwards":
+        model = ZeroDataParallel(module, comm, stage=2)
+        inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
+        for _ in range(2):
+            loss_fn(model(inputs), targets).backward()
+    elif case == "mixed dtypes":
+        module.layers[0].attn_norm.weight.data = module.layers[0].attn_norm.weight.data.double()
+        ZeroDataParallel(module, comm, stage=1)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("stage", r"stage=4: ZeRO stages are 0 \(plain DDP\), 1, 2, 3"),
+    ("tied", r"parameter head.weight is also in unit embed: .*tied embeddings"),
+    ("no backward", r"unit embed: 0 of its 1 parameters got a gradient"),
+    ("unit missing", r"parameters in no unit: \['embed.weight'\]"),
+    ("mixed dtypes", r"unit layers.0 mixes dtypes"),
+    ("two backwards", r"unit head: a second backward before step\(\)"),
+    ("grads replaced", r"unit head: gradients are no longer views of the flat gradient buffer"),
+])
+def test_bad_input_is_named(case, message):
+    with pytest.raises(RankError, match=message):
+        launch(_bad_inputs, 1, case=case)
+
+
+def test_one_rank_keeps_everything():
+    """world_size 1 is allowed (a one-rank group): even stage 3 keeps everything, 16 bytes per parameter."""
+    def one_rank(rank, world_size):
+        model = ZeroDataParallel(build(TINY, dtype=torch.bfloat16), Comm(), stage=3)
+        inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
+        loss_fn(model(inputs), targets).backward()
+        model.step()
+        return measure_state_bytes(model, model.optimizer)
+    state = launch(one_rank, 1)[0]
+    assert state["total"] == 16 * P
