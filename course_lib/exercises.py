@@ -10,8 +10,20 @@ import torch.distributed as dist
 from .launch import RankError, launch
 
 
+NOT_DONE = "Not done yet: replace `raise NotImplementedError` with your code, then run this cell again."
+
+
 def _unfinished(err: RankError) -> bool:
     return "NotImplementedError" in err.summary
+
+
+def _run_on_ranks(trial, world_size: int, what: str = "function", **kwargs):
+    """Run ``trial`` on ``world_size`` ranks; on a failure print what happened and return None."""
+    try:
+        return launch(trial, world_size, **kwargs)
+    except RankError as err:
+        print(NOT_DONE if _unfinished(err) else f"Your {what} failed on {err}")
+        return None
 
 
 def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
@@ -25,13 +37,8 @@ def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
         dist.barrier()
         return result, torch.equal(value, original)
 
-    try:
-        results = launch(trial, world_size, timeout=30)
-    except RankError as err:
-        if _unfinished(err):
-            print("Not done yet: replace `raise NotImplementedError` with your code, then run this cell again.")
-            return False
-        print(f"Your function failed on {err}")
+    results = _run_on_ranks(trial, world_size, timeout=30)
+    if results is None:
         return False
     expected = torch.arange(3.0) + 10 * (world_size - 1) / 2
     for rank, (result, untouched) in enumerate(results):
@@ -105,13 +112,8 @@ def check_copy_to_tp_region(MyCopy) -> bool:
         local_grad = (torch.cos(x.detach() @ columns) @ columns.T)
         return (identity, len(forward.records), len(backward.records), x.grad, dense_grad, local_grad)
 
-    try:
-        results = launch(trial, 2, timeout=30)
-    except RankError as err:
-        if _unfinished(err):
-            print("Not done yet: fill in forward and backward of your Function, then run this cell again.")
-            return False
-        print(f"Your Function failed on {err}")
+    results = _run_on_ranks(trial, 2, what="Function", timeout=30)
+    if results is None:
         return False
     for rank, (identity, forward_count, backward_count, grad, dense_grad, local_grad) in enumerate(results):
         if not identity:
@@ -160,13 +162,8 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return params, calls.count if calls else 0, len(ddp.buckets), rows
 
-    try:
-        results = launch(trial, world_size, timeout=60)
-    except RankError as err:
-        if _unfinished(err):
-            print("Not done yet: replace `raise NotImplementedError` with your code, then run this cell again.")
-            return False
-        print(f"Your function failed on {err}")
+    results = _run_on_ranks(trial, world_size, timeout=60)
+    if results is None:
         return False
 
     def one_process(divide: bool):
@@ -276,7 +273,7 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
             results = launch(trial, world_size, n=n, timeout=30)
         except RankError as err:
             if _unfinished(err):
-                print("Not done yet: replace `raise NotImplementedError` with your code, then run this cell again.")
+                print(NOT_DONE)
             elif "(the group size) parts" in err.summary:
                 print(f"✗ on {world_size} ranks, {n} elements: reduce_scatter needs an input of exactly N × the "
                       "shard's size. Pad flat_grad with zeros to N·S elements, S = ceil(n/N)")

@@ -264,7 +264,7 @@ class WorkerGroup:
             for proc in self.procs:
                 if proc.is_alive():
                     _kill_tree(proc.pid)
-                proc.join()
+                proc.join(timeout=5)  # bounded: a cleanup must never be what hangs
             for _, _, reader in self._outputs.values():
                 reader.close()
             self._outputs.clear()

@@ -17,15 +17,13 @@ On GPUs the split is measured after the compute stream has caught up; NCCL repor
 done when it is enqueued, so there the timeline's per-bucket bars show launches, not transfers.
 """
 
-import argparse
 import json
-import os
 import platform
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
@@ -70,25 +68,16 @@ def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batc
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--steps", type=int, default=20)
+    parser = lab_parser(__doc__, lr=1e-3)
     parser.add_argument("--per-rank-batch", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of ours and torch's, MiB")
-    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
-    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    overrides = {k: v for k, v in {"hidden": args.hidden, "num_layers": args.layers}.items() if v}
-    if args.hidden:  # keep head_dim at 8 and the MLP at 2x the width, as in the tiny model
-        overrides.update(num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16, intermediate=2 * args.hidden)
+    overrides = model_overrides(args)
     results = launch(compare_implementations, args.world_size, timeout=3600, overrides=overrides, steps=args.steps,
                      per_rank_batch=args.per_rank_batch, accumulation=args.accumulation, seq_len=args.seq_len,
                      lr=args.lr, bucket_bytes=int(args.bucket_mb * MiB))
-    if int(os.environ.get("RANK", 0)) != 0:
+    if not reports():
         return
     p = args.world_size
     grad_bytes = results[0]["torch"]["grad_bytes"]

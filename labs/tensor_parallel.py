@@ -15,14 +15,12 @@ Results go to labs/results/tensor_parallel.json and .png for notebook 04 to show
 On CPU each rank gets one thread, so "one device" means one core.
 """
 
-import argparse
 import json
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
@@ -82,26 +80,15 @@ def tensor_parallel_run(rank, world_size, *, overrides, steps, batch_size, seq_l
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--steps", type=int, default=20)
+    parser = lab_parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
-    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    overrides = {"num_layers": args.layers} if args.layers else {}
-    if args.hidden:  # heads of 8 channels as in the tiny model, 2 query heads per key/value head, MLP 3×
-        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
-                         intermediate=3 * args.hidden)
-    overrides["max_seq_len"] = max(preset("tiny").max_seq_len, args.seq_len)
+    overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison
     results = launch(tensor_parallel_run, args.world_size, overrides=overrides, steps=args.steps,
                      batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference)
-    if int(os.environ.get("RANK", 0)) != 0:
+    if not reports():
         return
     run = results[0]
     predicted = tp_step_traffic(config, args.batch_size, args.seq_len, args.world_size, bytes_per_element=4)

@@ -12,15 +12,13 @@ loss matches one process training on the whole global batch (small models only),
 labs/results/training_step.json and .png for the notebook to show beside the learner's CPU run.
 """
 
-import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, loss_fn, preset
@@ -59,22 +57,13 @@ def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, 
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--steps", type=int, default=30)
+    parser = lab_parser(__doc__, steps=30)
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
-    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    overrides = {k: v for k, v in {"hidden": args.hidden, "num_layers": args.layers}.items() if v}
-    if args.hidden:  # keep head_dim at 8 and the MLP at 2x the width, as in the tiny model
-        overrides.update(num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16, intermediate=2 * args.hidden)
+    overrides = model_overrides(args)
     results = launch(data_parallel_training, args.world_size, overrides=overrides, steps=args.steps,
                      global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr)
-    if int(os.environ.get("RANK", 0)) != 0:
+    if not reports():
         return
     run = results[0]
     losses = run["losses"]

@@ -15,14 +15,12 @@ more, bf16 sums in another order: about one bf16 step, 2**-7 relative). Writes l
 state of every rank, every stage) for notebook 03 to show beside the learner's CPU run.
 """
 
-import argparse
 import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
 
+from common import lab_parser, model_overrides, reports
 from course_lib import launch
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, preset
@@ -43,26 +41,14 @@ def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
-    parser.add_argument("--steps", type=int, default=8)
+    parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3)
     parser.add_argument("--per-rank-batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
-    parser.add_argument("--layers", type=int, help="number of layers (default 4)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    overrides = {"max_seq_len": max(64, args.seq_len)}
-    if args.layers:
-        overrides["num_layers"] = args.layers
-    if args.hidden:  # heads of 8 channels and an MLP 3x as wide, as benchmarks/zero.py
-        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
-                         intermediate=3 * args.hidden)
+    overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     per_rank = launch(every_run, args.world_size, config=config, steps=args.steps, per_rank_batch=args.per_rank_batch,
                       seq_len=args.seq_len, lr=args.lr, timeout=3600)
-    if int(os.environ.get("RANK", 0)) != 0:
+    if not reports():
         return
     n = args.world_size
     params = sum(p.numel() for p in build(config, device="meta").parameters())

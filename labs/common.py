@@ -1,0 +1,42 @@
+"""What the labs share: their command line, the model they scale up, and who reports.
+
+Each lab runs the same way on a laptop (``python labs/X.py``, gloo ranks via ``launch``) and on GPUs
+(``torchrun --nproc-per-node 8 labs/X.py``, NCCL); ``--hidden`` and ``--layers`` grow the tiny model for a GPU.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e-2) -> argparse.ArgumentParser:
+    """The arguments every lab takes; a lab adds its own (batch sizes, buckets, ...)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", world_size)),
+                        help="ranks to start here (under torchrun: its WORLD_SIZE)")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default: the tiny model's 4)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    return parser
+
+
+def model_overrides(args) -> dict:
+    """Changes to the tiny model's config: heads of 8 channels, 2 query heads per key/value head, an MLP 3×
+    as wide as the model (so every width divisible by 16 splits over TP = 2, 4, 8)."""
+    overrides = {"max_seq_len": max(64, args.seq_len)}
+    if args.layers:
+        overrides["num_layers"] = args.layers
+    if args.hidden:
+        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
+                         intermediate=3 * args.hidden)
+    return overrides
+
+
+def reports() -> bool:
+    """Rank 0 prints the table and writes the files (under torchrun every process runs main)."""
+    return int(os.environ.get("RANK", 0)) == 0
