@@ -215,7 +215,7 @@ def check_one_f_one_b(actions) -> bool:
         try:
             timeline = simulate(actions, p, m, 1.0, 1.0)
         except NotImplementedError:
-            print("Not done yet: replace `raise NotImplementedError` with your schedule, then run this cell again.")
+            print(NOT_DONE)
             return False
         except ValueError as err:
             print(f"✗ p={p}, m={m}: {err}")
@@ -236,11 +236,9 @@ def check_one_f_one_b(actions) -> bool:
                       "warm-up forwards, then alternate one forward, one backward")
             return False
     weights = build(preset("tiny"), seed=0).state_dict()
-    try:
-        results = launch(pipeline_worker, 3, num_microbatches=6, schedule=actions, batch_size=12,
-                         weights=weights, return_grads=True, timeout=60)
-    except RankError as err:
-        print(f"Your schedule failed on {err}")
+    results = _run_on_ranks(pipeline_worker, 3, "schedule", num_microbatches=6, schedule=actions, batch_size=12,
+                            weights=weights, return_grads=True, timeout=60)
+    if results is None:
         return False
     loss, grads = single_process_step(batch_size=12)
     worst = max((r["grads"][n] - grads[n]).abs().max().item() for r in results for n in r["grads"])

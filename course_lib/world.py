@@ -274,10 +274,16 @@ def _display(*objects) -> None:
         _DISPLAYS.append((data, metadata))
 
 
-def _run_cell(rank, world_size, code, filename, display_rank):
-    if not _NAMESPACE:
+def _namespace(rank, world_size) -> dict:
+    """This rank's variables, with the predefined names filled in on first use."""
+    if "rank" not in _NAMESPACE:
         _NAMESPACE.update(__name__="__ranks__", rank=rank, world_size=world_size, dist=dist, torch=torch,
                           display=_display)
+    return _NAMESPACE
+
+
+def _run_cell(rank, world_size, code, filename, display_rank):
+    _namespace(rank, world_size)
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)  # for tracebacks
     tree = ast.parse(code, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -311,7 +317,7 @@ def _get_variable(rank, world_size, name):
 
 
 def _set_variables(rank, world_size, values):
-    _NAMESPACE.update(values)
+    _namespace(rank, world_size).update(values)
 
 
 def _leave_group(rank, world_size):

@@ -106,6 +106,12 @@ def test_a_rank_that_dies_restarts_the_world():
     assert gone(old_pids)
 
 
+def test_push_before_any_cell_keeps_the_predefined_names():
+    with World(2) as w:
+        w.push(lr=0.5)
+        assert [r.value for r in w.exec("(rank, world_size, lr)").results] == ["(0, 2, 0.5)", "(1, 2, 0.5)"]
+
+
 def test_a_syntax_error_is_raised_before_any_rank_runs(world):
     with pytest.raises(SyntaxError):
         world.exec("def broken(:\n")

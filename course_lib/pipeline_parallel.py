@@ -1,0 +1,505 @@
+"""Pipeline parallelism (流水线并行): the model cut into stages by layers, micro-batches flowing through.
+
+    stage 0: embed + layers[0:6]  ── activations ──►  stage 1: layers[6:12] + norm + head + loss
+                                  ◄── their gradients ──
+
+Each rank holds one stage: a contiguous run of layers, the embedding with the first, the final norm and the
+head with the last (`make_stage` replaces the rest with nn.Identity(), so parameter names stay those of the
+whole model). Forward: stage s receives stage s-1's output, runs its layers, sends the result to s+1.
+Backward: stage s receives dL/d(its output) from s+1, backpropagates, sends dL/d(its input) to s-1. Nothing
+else crosses a boundary: per boundary and step, an activation and its gradient for every token of the batch,
+2·B·S·d values, whatever the number of micro-batches.
+
+The bubble (流水线气泡)
+----------------------
+A batch of B rows is cut into m micro-batches of B/m rows. With p stages and every forward taking t_f and
+every backward t_b, GPipe (all forwards, then all backwards) and 1F1B (after p-s-1 warm-up forwards, one
+forward then one backward) both take
+
+    makespan T = (m + p - 1)·(t_f + t_b)
+
+Every rank computes for m·(t_f + t_b) of it and waits (p - 1)·(t_f + t_b): the fill before its first forward
+plus the drain after its last backward. Hence
+
+    bubble = (p - 1) / (m + p - 1)            utilisation = 1 - bubble = m / (m + p - 1)
+
+p = 8: m = 8, 32, 64 → 46.7%, 17.9%, 9.9%.  p = 2: utilisation 1/2, 4/5, 16/17 at m = 1, 4, 16.
+
+Measured idle fraction. Every forward and backward of every micro-batch is timed on its rank: it starts once
+its input has arrived and ends when its output is ready (a `Timeline` holds these events). T is the span from
+the first start to the last end over all ranks; busy_r is the sum of rank r's op durations; rank r's idle
+fraction is 1 - busy_r / T, and the pipeline's measured bubble is their mean, 1 - Σ_r busy_r / (p·T). With
+equal op costs this is exactly the formula above. With unequal stages the slowest one sets the pace and the
+others idle longer; `simulate` predicts any case, and `partition_layers(..., layer_costs)` cuts the layers so
+that the most expensive stage is as cheap as possible.
+
+Memory. A stage keeps a micro-batch's saved activations from its forward until its backward. GPipe holds all
+m before its first backward; 1F1B starts backwards as soon as the pipe is full, so stage s holds at most
+min(p - s, m): the same bubble, at most p micro-batches in flight instead of m.
+
+Hand-offs. A message takes a latency h to arrive. GPipe pays it once per boundary on the way down and once on
+the way back (a stage's ops then run back to back); in 1F1B's steady state every op waits for a neighbour, so
+h is paid at every op. `simulate(..., latency_s=h)` predicts both.
+
+Controlled cost. With forward_s / backward_s every op is padded with sleep to exactly that duration (the real
+compute runs inside it; with compute=False the op only sleeps and zeros of the activation's shape travel), so
+bubbles are measured cleanly even on a busy 2-core CPU: a sleeping rank uses no core. Without them the ops take
+what they take. Both run the same schedule code and send the same messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .ledger import SavedActivations
+from .model import loss_fn as default_loss_fn
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """(p - 1) / (m + p - 1): the share of the makespan each rank waits, with equal op costs."""
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"num_stages={num_stages} and num_microbatches={num_microbatches} must both be >= 1")
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def pipeline_makespan(num_stages: int, num_microbatches: int, forward_s: float, backward_s: float) -> float:
+    """(m + p - 1)·(t_f + t_b): one step's duration with equal op costs and instant communication."""
+    return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
+
+
+# ---------------------------------------------------------------------------------------------- stages
+
+def partition_layers(num_layers: int, num_stages: int, layer_costs=None) -> list[range]:
+    """Contiguous layer ranges, one per stage, that make the most expensive stage as cheap as possible.
+
+    Without ``layer_costs`` every layer costs the same, so stages differ by at most one layer (earlier stages
+    take the extra ones: the last also holds the head). Dynamic programming over (stages, layers): tiny.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if num_stages > num_layers:
+        raise ValueError(f"num_stages={num_stages} > num_layers={num_layers}: every stage needs at least one "
+                         "layer (use fewer stages, or a model with more layers)")
+    costs = [1.0] * num_layers if layer_costs is None else [float(c) for c in layer_costs]
+    if len(costs) != num_layers or any(c < 0 for c in costs):
+        raise ValueError(f"layer_costs={layer_costs!r}: give one cost >= 0 for each of the {num_layers} layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the smallest possible max stage cost when layers [0, i) form s stages; cut[s][i]: the
+    # start of the last of those stages.
+    best = [[math.inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, num_layers - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost <= best[s][i] + 1e-12:   # "<=": on ties the last stage starts later (is shorter)
+                    best[s][i], cut[s][i] = cost, j
+    bounds = [num_layers]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def make_stage(model: nn.Module, stage: int, parts: list[range]) -> nn.Module:
+    """Turn ``model`` (in place) into pipeline stage ``stage`` of ``len(parts)``: it keeps layers
+    ``parts[stage]``, the embedding if first, norm and head if last; the rest become nn.Identity()."""
+    num_stages = len(parts)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage} is outside 0..{num_stages - 1}")
+    if [i for part in parts for i in part] != list(range(len(model.layers))) or not all(parts):
+        raise ValueError(f"parts={parts} must cut layers 0..{len(model.layers) - 1} into non-empty consecutive ranges")
+    if model.config.tie_embeddings and num_stages > 1:
+        raise ValueError("tie_embeddings=True shares head.weight with embed.weight across the first and the last "
+                         "stage; this course's pipeline keeps them untied")
+    for i in range(len(model.layers)):
+        if i not in parts[stage]:
+            model.layers[i] = nn.Identity()
+    if stage > 0:
+        model.embed = nn.Identity()                    # receives hidden states instead of tokens
+    if stage < num_stages - 1:
+        model.norm, model.head = nn.Identity(), nn.Identity()
+    return model
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    if num_microbatches < 1 or batch.shape[0] % num_microbatches:
+        raise ValueError(f"a batch of {batch.shape[0]} rows is not divisible by num_microbatches={num_microbatches}: "
+                         "micro-batches must be equal, so that the mean of their losses is the batch's loss")
+    return list(batch.chunk(num_microbatches))
+
+
+# ------------------------------------------------------------------------------------------- schedules
+
+def gpipe_actions(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """All forwards, then all backwards. With one micro-batch: the plain, un-pipelined step."""
+    return [("F", k) for k in range(num_microbatches)] + [("B", k) for k in range(num_microbatches)]
+
+
+def one_f_one_b_actions(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """p-s-1 warm-up forwards, then one forward and one backward in turn, then the remaining backwards."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    actions = [("F", k) for k in range(warmup)]
+    for k in range(warmup, num_microbatches):
+        actions += [("F", k), ("B", k - warmup)]
+    return actions + [("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
+
+
+SCHEDULES = {"gpipe": gpipe_actions, "1f1b": one_f_one_b_actions}
+
+
+def schedule_actions(schedule, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+    """Every stage's list of ("F"|"B", micro-batch), checked. ``schedule``: a name of SCHEDULES or a function
+    (stage, num_stages, num_microbatches) -> actions."""
+    make = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
+    if make is None:
+        raise ValueError(f"schedule={schedule!r}: known schedules are {', '.join(SCHEDULES)}")
+    actions = [list(make(s, num_stages, num_microbatches)) for s in range(num_stages)]
+    expected = sorted((kind, k) for kind in "BF" for k in range(num_microbatches))
+    for s, acts in enumerate(actions):
+        if sorted(acts) != expected:
+            raise ValueError(f"stage {s}: {acts} must hold ('F', k) and ('B', k) exactly once for each "
+                             f"micro-batch k in 0..{num_microbatches - 1}")
+        if any(acts.index(("B", k)) < acts.index(("F", k)) for k in range(num_microbatches)):
+            raise ValueError(f"stage {s}: {acts} runs a backward before the forward of its micro-batch")
+    for s in range(num_stages - 1):   # send and receive are matched in order on each boundary
+        for kind in "FB":
+            if [k for c, k in actions[s] if c == kind] != [k for c, k in actions[s + 1] if c == kind]:
+                raise ValueError(f"stages {s} and {s + 1} order their {kind} micro-batches differently; they "
+                                 "cross the boundary in one order, so both sides must use it")
+    return actions
+
+
+# -------------------------------------------------------------------------------------------- timeline
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    kind: str          # "F" or "B"
+    microbatch: int
+    start: float       # seconds since the step began
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Every op of one step on every rank, and what each rank held in flight over time."""
+    events: list[Event]
+    num_stages: int
+    num_microbatches: int
+    in_flight: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)  # rank → (time, count, bytes)
+    overruns: int = 0  # ops whose real compute took longer than their controlled cost
+
+    @classmethod
+    def from_results(cls, results: list[dict]) -> Timeline:
+        """Join the results that ``pipeline_worker`` returned on each rank."""
+        return cls([e for r in results for e in r["events"]], len(results), results[0]["num_microbatches"],
+                   {r["rank"]: r["in_flight"] for r in results}, sum(r["overruns"] for r in results))
+
+    @property
+    def makespan(self) -> float:
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy(self, rank: int) -> float:
+        return sum(e.end - e.start for e in self.events if e.rank == rank)
+
+    def idle_fraction(self, rank: int) -> float:
+        return 1 - self.busy(rank) / self.makespan
+
+    @property
+    def idle_fractions(self) -> list[float]:
+        return [self.idle_fraction(r) for r in range(self.num_stages)]
+
+    @property
+    def bubble(self) -> float:
+        """The measured bubble: the mean idle fraction over ranks, 1 - Σ busy / (p·T)."""
+        return sum(self.idle_fractions) / self.num_stages
+
+    def peak_in_flight(self, rank: int) -> int:
+        return max((count for _, count, _ in self.in_flight.get(rank, [])), default=0)
+
+    def peak_in_flight_bytes(self, rank: int) -> int:
+        return max((nbytes for _, _, nbytes in self.in_flight.get(rank, [])), default=0)
+
+    def plot(self, title: str | None = None, ax=None, in_flight: bool = False):
+        """A Gantt chart (course_lib.plots.pipeline_gantt); ``in_flight`` adds the micro-batches held."""
+        from .plots import pipeline_gantt
+        return pipeline_gantt(self, title=title, ax=ax, in_flight=in_flight)
+
+
+def simulate(schedule, num_stages: int, num_microbatches: int, forward_s, backward_s,
+             latency_s: float = 0.0) -> Timeline:
+    """The timeline ``schedule`` would have if stage s's forwards took forward_s[s] and its backwards
+    backward_s[s] (a number means every stage), and every message latency_s to arrive: each op starts as soon
+    as its rank is free and its input has arrived. Raises on a deadlock, naming what each stuck stage waits for."""
+    p, m = num_stages, num_microbatches
+    fs = [float(forward_s)] * p if isinstance(forward_s, (int, float)) else [float(f) for f in forward_s]
+    bs = [float(backward_s)] * p if isinstance(backward_s, (int, float)) else [float(b) for b in backward_s]
+    actions = schedule_actions(schedule, p, m)
+    done, free, nxt, events = {}, [0.0] * p, [0] * p, []
+    held = {s: [(0.0, 0, 0)] for s in range(p)}
+    while any(nxt[s] < len(actions[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while nxt[s] < len(actions[s]):
+                kind, k = actions[s][nxt[s]]
+                neighbour = s - 1 if kind == "F" else s + 1          # whose output this op needs
+                source = (kind, neighbour, k) if 0 <= neighbour < p else None
+                if source is not None and source not in done:
+                    break
+                start = max(free[s], done[source] + latency_s if source else 0.0)
+                free[s] = done[(kind, s, k)] = start + (fs[s] if kind == "F" else bs[s])
+                events.append(Event(s, kind, k, start, free[s]))
+                held[s].append((free[s], held[s][-1][1] + (1 if kind == "F" else -1), 0))
+                nxt[s], progressed = nxt[s] + 1, True
+        if not progressed:
+            waits = [f"stage {s} waits at {actions[s][nxt[s]]}" for s in range(p) if nxt[s] < len(actions[s])]
+            raise ValueError("deadlock: " + "; ".join(waits))
+    return Timeline(events, p, m, held)
+
+
+# -------------------------------------------------------------------------------------------- executor
+
+class _Link:
+    """One direction of traffic with one neighbour, handled by a thread, in order, like NCCL's isend/irecv.
+
+    gloo's send waits until the peer has posted the matching receive, so a plain send from the main loop
+    would stall compute, and deadlock 1F1B's steady state, where two neighbours send to each other at once.
+    A receiving link posts its next receive at once, so data moves while this rank computes; the main loop
+    then waits (is idle) only for data that has not been sent yet.
+    """
+
+    def __init__(self, comm: Comm, peer: int, receive: tuple | None = None):
+        self.comm, self.peer, self.queue, self.error = comm, peer, queue.SimpleQueue(), None
+        self.inbox = queue.SimpleQueue() if receive else None
+        target = self._receive if receive else self._send
+        self.thread = threading.Thread(target=target, args=receive or (), daemon=True)
+        self.thread.start()
+
+    def _send(self):
+        while (tensor := self.queue.get()) is not None:
+            try:
+                self.comm.send(tensor, self.peer)
+            except Exception as exc:  # re-raised by close()
+                self.error = exc
+                return
+
+    def _receive(self, count, shape, dtype, device):
+        for _ in range(count):
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            try:
+                self.comm.recv(tensor, self.peer)
+            except Exception as exc:  # raised by recv() in the main loop, which would wait forever otherwise
+                self.inbox.put(exc)
+                return
+            self.inbox.put(tensor)
+
+    def send(self, tensor: torch.Tensor):
+        self.queue.put(tensor)
+
+    def recv(self) -> torch.Tensor:
+        item = self.inbox.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self):
+        if self.inbox is None:
+            self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _finish(start: float, target_s: float | None, device: torch.device) -> bool:
+    """Wait until the op is done; with a controlled cost, sleep until it has taken exactly target_s.
+    Returns True if the real compute overran the target."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)   # GPU work is asynchronous: the op is done when the device is
+    if target_s is None:
+        return False
+    left = start + target_s - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+    return left < 0
+
+
+def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, targets: torch.Tensor, *,
+                  num_microbatches: int, schedule="1f1b", forward_s: float | None = None,
+                  backward_s: float | None = None, compute: bool = True, loss_fn=default_loss_fn,
+                  measure_memory: bool = True) -> dict:
+    """This rank's part of one step: its stage's forwards and backwards in ``schedule``'s order. Gradients
+    accumulate in .grad (zero them first; no optimizer step). ``compute=False`` (with controlled costs) skips
+    the model: ops only sleep, and zeros of the right shape travel. Stage = ``comm.rank``; every rank passes the
+    batch's inputs and targets (the first stage reads the inputs, the last the targets). Returns {"rank",
+    "events", "in_flight", "overruns", "loss" (the batch's mean loss, on the last stage; else None), "t0" (this
+    rank's perf_counter at the step's start: event times are relative to it)}."""
+    stage, num_stages, m = comm.rank, comm.size, num_microbatches
+    first, last = stage == 0, stage == num_stages - 1
+    input_chunks, target_chunks = split_microbatches(inputs, m), split_microbatches(targets, m)
+    actions = schedule_actions(schedule, num_stages, m)[stage]
+    param = next(stage_module.parameters())
+    act_shape = (*input_chunks[0].shape, stage_module.config.hidden)   # [B/m, S, d]
+    shape = (act_shape, param.dtype, param.device)   # activations and their gradients: one shape
+    to_next = None if last else _Link(comm, stage + 1)
+    to_prev = None if first else _Link(comm, stage - 1)
+    from_prev = None if first else _Link(comm, stage - 1, receive=(m, *shape))
+    from_next = None if last else _Link(comm, stage + 1, receive=(m, *shape))
+    held = {}   # micro-batch → (its input, its output (the loss on the last stage), saved bytes)
+    events, in_flight, overruns, loss = [], [(0.0, 0, 0)], 0, 0.0
+    comm.barrier()                    # every rank starts its clock together (to within a message's latency)
+    t0 = time.perf_counter()
+    for kind, k in actions:
+        if kind == "F":
+            if first:
+                x = input_chunks[k].to(param.device)
+            else:   # wait for stage s-1's output: time spent here is idle
+                x = from_prev.recv().requires_grad_(compute)
+            start = time.perf_counter()
+            with SavedActivations(stage_module) if measure_memory else contextlib.nullcontext() as saved:
+                if not compute:
+                    out = torch.zeros(act_shape, dtype=param.dtype, device=param.device)
+                else:
+                    out = stage_module(x)
+                    if last:   # each micro-batch's mean loss / m: the grads sum to the batch mean's
+                        out = loss_fn(out, target_chunks[k].to(param.device)) / m
+                        loss += out.item()
+            held[k] = (x, out, saved.bytes if measure_memory else 0)
+            overruns += _finish(start, forward_s, param.device)
+            end = time.perf_counter()
+            if not last:
+                to_next.send(out.detach())
+        else:
+            x, out, _ = held.pop(k)
+            grad = None
+            if not last:    # wait for dL/d(out) from stage s+1
+                grad = from_next.recv()
+            start = time.perf_counter()
+            # = out.backward(grad), bit for bit (d(out·grad)/d(out) = grad), without the import of sympy that
+            # torch does at the first backward given an explicit gradient (seconds in every fresh rank)
+            if compute:
+                (out if last else (out * grad).sum()).backward()
+            overruns += _finish(start, backward_s, param.device)
+            end = time.perf_counter()
+            if not first:
+                to_prev.send(x.grad if compute else torch.zeros_like(x))
+        events.append(Event(stage, kind, k, start - t0, end - t0))
+        in_flight.append((end - t0, len(held), sum(nbytes for _, _, nbytes in held.values())))
+    for link in (to_next, to_prev, from_prev, from_next):   # (after an error: left alone, daemon threads)
+        if link is not None:
+            link.close()
+    return {"rank": stage, "events": events, "in_flight": in_flight, "overruns": overruns,
+            "num_microbatches": m, "loss": loss if last else None, "t0": t0}
+
+
+# ------------------------------------------------------------------------------ ready-made runs on ranks
+
+def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedule="1f1b", num_layers: int = 4,
+                    batch_size: int = 8, seq_len: int = 16, forward_ms=None, layer_ms=None,
+                    backward_ratio: float = 1.0, balance: bool = False, dtype=None, seed: int = 0,
+                    steps: int = 1, compute: bool = True, return_grads: bool = False, measure_memory: bool = True,
+                    weights: dict | None = None, **overrides) -> dict:
+    """One pipeline step of the tiny model on ``world_size`` stages, for ``launch``. Controlled cost:
+    ``forward_ms`` (every stage, or one per stage) or ``layer_ms`` (one per layer, summed per stage), with
+    t_b = backward_ratio·t_f; ``compute=False`` skips the model then (ops only sleep: for many ranks on few
+    cores). ``balance`` cuts the layers by ``layer_ms`` instead of by count. A first
+    step with one micro-batch and no padding warms up (first calls, connections) and is not measured; then
+    ``steps`` measured steps, of which the fastest is returned.
+    ``weights``: the whole model's state_dict, built once by the caller with build(config, seed), so that the
+    ranks copy it instead of each drawing it (the same numbers either way)."""
+    from .data import SyntheticTokens
+    from .launch import device
+    from .model import GPT, build, preset
+
+    config = preset("tiny", num_layers=num_layers, **overrides)
+    parts = partition_layers(num_layers, world_size, layer_ms if balance else None)
+    if weights is None:
+        model = build(config, seed=seed, device=device(), dtype=dtype)
+    else:
+        model = GPT(config)
+        model.load_state_dict(weights)
+        model.to(device=device(), dtype=dtype)
+    stage = make_stage(model, rank, parts)
+    inputs, targets = SyntheticTokens(config.vocab_size, seq_len, seed=seed).batch(0, batch_size)
+    split_microbatches(inputs, num_microbatches)   # a clear error before any rank waits for another
+    forward_s = backward_s = None                     # per stage, in seconds; None: real compute only
+    if layer_ms is not None:
+        forward_s = [sum(layer_ms[i] for i in part) / 1e3 for part in parts]
+    elif forward_ms is not None:
+        per_stage = forward_ms if isinstance(forward_ms, (list, tuple)) else [forward_ms] * world_size
+        forward_s = [f / 1e3 for f in per_stage]
+    if forward_s is not None:
+        backward_s = [f * backward_ratio for f in forward_s]
+    comm = Comm()
+    pipeline_step(stage, comm, inputs, targets, num_microbatches=1, measure_memory=False)
+    tries = []
+    for _ in range(steps):
+        stage.zero_grad()
+        with comm.trace() as log:
+            tries.append(pipeline_step(stage, comm, inputs, targets, num_microbatches=num_microbatches,
+                                       schedule=schedule, forward_s=forward_s and forward_s[rank],
+                                       backward_s=backward_s and backward_s[rank], compute=compute,
+                                       measure_memory=measure_memory))
+        tries[-1]["sent_bytes"] = sum(r.payload_bytes for r in log.records if r.op == "send")
+    # Best of `steps`, as timeit does: a busy machine only ever delays an op, never hurries one. Every rank
+    # keeps the same step: the one with the shortest makespan over all ranks. (Every step computes the same
+    # loss and gradients: the grads returned are the last step's.)
+    spans = torch.tensor([[max(e.end for e in t["events"]), -min(e.start for e in t["events"])] for t in tries])
+    comm.all_reduce(spans, op=torch.distributed.ReduceOp.MAX)
+    result = tries[int(spans.sum(dim=1).argmin())]
+    result.update(parts=parts, forward_s=forward_s, backward_s=backward_s)
+    if return_grads:
+        result["grads"] = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    return result
+
+
+def pipeline_sweep(rank: int, world_size: int, *, runs: list[dict], **common) -> list[dict]:
+    """Several ``pipeline_worker`` runs in one launch: [pipeline_worker(**common, **run) for run in runs]."""
+    return [pipeline_worker(rank, world_size, **{**common, **run}) for run in runs]
+
+
+def single_process_step(*, num_layers: int = 4, batch_size: int = 8, seq_len: int = 16, dtype=None, seed: int = 0,
+                        **overrides) -> tuple[float, dict[str, torch.Tensor]]:
+    """The reference: the whole model in one process on the same batch → (loss, {name: grad})."""
+    from .data import SyntheticTokens
+    from .model import build, preset
+
+    config = preset("tiny", num_layers=num_layers, **overrides)
+    model = build(config, seed=seed, dtype=dtype)
+    inputs, targets = SyntheticTokens(config.vocab_size, seq_len, seed=seed).batch(0, batch_size)
+    loss = default_loss_fn(model(inputs), targets)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def torch_pipeline_step(stage_module: nn.Module, rank: int, world_size: int, inputs, targets, *,
+                        num_microbatches: int, schedule: str = "1f1b") -> float | None:
+    """The same step with torch.distributed.pipelining; returns the batch's loss on the last stage."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from .launch import device
+
+    stage = PipelineStage(stage_module, rank, world_size, device())
+    Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = Schedule(stage, n_microbatches=num_microbatches, loss_fn=default_loss_fn)  # grads scaled by 1/m
+    if rank == 0:
+        runner.step(inputs.to(device()))
+    elif rank == world_size - 1:
+        losses = []
+        runner.step(target=targets.to(device()), losses=losses)
+        return torch.stack(losses).mean().item()
+    else:
+        runner.step()
+    return None
