@@ -10,6 +10,14 @@ from .train import tiny_loss_curve
 LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
 
+def _settle(controls: dict, label_width: str = "100px") -> None:
+    """Labels of one width, and a redraw only when a control is released: every redraw computes for real."""
+    for control in controls.values():
+        control.style = {"description_width": label_width}
+        if hasattr(control, "continuous_update"):
+            control.continuous_update = False
+
+
 def learning_rate_explorer(rates=LEARNING_RATES, value=1e-2, steps=40):
     """A slider over learning rates → the tiny model's loss curve at that rate, trained for real.
 
@@ -94,10 +102,7 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
                                            description="recompute"),
         "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
     }
-    for control in controls.values():
-        control.style = {"description_width": "100px"}
-        if hasattr(control, "continuous_update"):
-            control.continuous_update = False
+    _settle(controls, "100px")
     out = widgets.Output()
     panel = widgets.VBox([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "hidden", "layers", "gpu")]),
                                         widgets.VBox([controls[k] for k in ("convention", "batch_size", "seq_len",
@@ -258,9 +263,7 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
     groups, runs = {}, {}
     controls = {"ranks": widgets.SelectionSlider(options=list(world_sizes), value=ranks, description="ranks"),
                 "bucket": widgets.Dropdown(options=list(buckets), value=bucket, description="bucket size")}
-    for control in controls.values():
-        control.style = {"description_width": "80px"}
-        control.continuous_update = False
+    _settle(controls, "80px")
     out = widgets.Output()
 
     def run(world_size, label):
@@ -330,9 +333,7 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
         "cost": widgets.SelectionSlider(options=[1.0, 1.5, 2.0, 3.0], value=last_stage_cost,
                                         description="last stage ×"),
     }
-    for control in controls.values():
-        control.style = {"description_width": "110px"}
-        control.continuous_update = False
+    _settle(controls, "110px")
     out = widgets.Output()
 
     def show(_=None):
@@ -397,10 +398,7 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
         "convention": widgets.Dropdown(options=list(CONVENTIONS), value=convention, description="precision"),
         "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
     }
-    for control in controls.values():
-        control.style = {"description_width": "100px"}
-        if hasattr(control, "continuous_update"):
-            control.continuous_update = False
+    _settle(controls, "100px")
     out = widgets.Output()
     panel = widgets.VBox([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "hidden", "layers", "gpu")]),
                                         widgets.VBox([controls[k] for k in ("stage", "ranks", "convention")])]),
