@@ -348,7 +348,10 @@ def _user_frames(stack: str) -> str:
 
 
 def _name_cells(text: str) -> str:
-    """In a notebook, write 'Cell In[3]' (as IPython does) instead of the kernel's temporary file name."""
+    """Shorter file names in a rank's traceback: 'Cell In[3]' (as IPython writes it) for the kernel's temporary
+    file of a notebook cell, '.../site-packages/torch/...' for installed packages, 'course_lib/...' for ours."""
+    text = re.sub(r'File "[^"]*/site-packages/', 'File ".../site-packages/', text)
+    text = text.replace(f'File "{os.path.dirname(os.path.dirname(__file__))}/', 'File "')  # course_lib/...
     try:
         from IPython import get_ipython
         compiler = get_ipython().compile

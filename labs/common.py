@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(os.path.relpath(Path(__file__).parent / "results"))  # printed as the reader would type it
 
 
 def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e-2) -> argparse.ArgumentParser:
