@@ -30,6 +30,7 @@ This is the one place in the course where a process group is made. How it works:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Callable
@@ -67,6 +68,11 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
     """Under torchrun this process *is* one rank: join (or reuse) its group and run ``fn`` here."""
     rank, env_world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -79,6 +85,9 @@ def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # reads env://
+        # Left to interpreter exit, gloo's threads can abort the process ("terminate called without an
+        # active exception", about one run in three here): tear the group down while Python still runs.
+        atexit.register(_destroy_group)
     value = fn(rank, world_size, **kwargs)
     values = [None] * world_size
     dist.all_gather_object(values, value)  # every rank gets the full list, as in a notebook
