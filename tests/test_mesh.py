@@ -1,0 +1,169 @@
+"""3D parallelism: the dp × tp × pp grid (coordinates, groups, the same layout as torch's init_device_mesh),
+its errors, a dp 2 × tp 2 × pp 2 training run on 8 ranks equal to one process, the exact state bytes and bytes
+sent per axis, and the planner's three questions on the source's models."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import RankError, launch
+from course_lib.data import SyntheticTokens
+from course_lib.ledger import GiB
+from course_lib.mesh import (Mesh, global_losses, make_comms, max_parameter_gap, params_per_rank,
+                             sent_bytes_per_rank, train_3d)
+from course_lib.model import build, param_count_formula, preset
+from course_lib.plan import bad_smells, plan
+from course_lib.train import training_step
+
+GB = 10**9
+# float64: the three splits change only the order of additions (TP's partial sums, the micro-batches' sum,
+# the dp mean), ~1e-16 relative per op; measured ≤ 1e-13 on parameters after 3 Adam steps. Adam divides by
+# sqrt(v), which can magnify a rounding difference on a near-zero gradient: 1e-9 stays far below any real
+# mistake (a missing all-reduce, a wrong slice or a lost micro-batch moves values by > 1e-3).
+F64 = 1e-9
+STEPS, BATCH, SEQ = 3, 8, 16
+
+
+# ------------------------------------------------------------------------------------------- the grid
+
+def test_coordinates_put_tp_innermost_and_pp_outermost():
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    assert [mesh.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [mesh.coords(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
+    assert all(mesh.rank_of(**mesh.coords(r)) == r for r in range(8))
+    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for axis in ("tp", "dp", "pp"):   # each axis cuts the world into disjoint groups that cover it
+        assert sorted(r for g in mesh.groups(axis) for r in g) == list(range(8))
+    assert mesh.grid().tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+def _groups_beside_torch(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    ours = make_comms(mesh, rank)
+    theirs = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    assert theirs.mesh.tolist() == mesh.grid().tolist()
+    return {axis: (dist.get_process_group_ranks(ours[axis].group),
+                   dist.get_process_group_ranks(theirs.get_group(axis)), mesh.group_of(rank, axis))
+            for axis in ("tp", "dp", "pp")}
+
+
+def test_groups_match_torchs_init_device_mesh():
+    for result in launch(_groups_beside_torch, 8):
+        for axis, (ours, theirs, predicted) in result.items():
+            assert sorted(ours) == sorted(theirs) == predicted, axis
+
+
+def test_bad_meshes_name_every_factor():
+    with pytest.raises(ValueError, match=r"world_size 6 != dp 2 × tp 2 × pp 2 = 8"):
+        Mesh(dp=2, tp=2, pp=2).check(6)
+    with pytest.raises(ValueError, match=r"world_size 6 is not divisible by tp 4 × pp 1 = 4"):
+        Mesh.for_world(6, tp=4)
+    assert Mesh.for_world(8, tp=2, pp=2) == Mesh(dp=2, tp=2, pp=2)
+    with pytest.raises(ValueError, match=r"tp=0"):
+        Mesh(tp=0)
+    with pytest.raises(ValueError, match=r"16 attention heads \(num_heads\) cannot split over TP=3"):
+        Mesh(tp=3).check_model(preset("tiny", num_heads=16, num_kv_heads=16, hidden=128, intermediate=192))
+    with pytest.raises(ValueError, match=r"pp 5 stages > 4 layers"):
+        Mesh(pp=5).check_model(preset("tiny"))
+    with pytest.raises(ValueError, match=r"batch 6 is not divisible by dp 4"):
+        Mesh(dp=4).check_model(preset("tiny"), batch_size=6)
+    with pytest.raises(ValueError, match=r"batch of 4 \(= 8 / dp 2\) is not divisible by num_microbatches=3"):
+        Mesh(dp=2).check_model(preset("tiny"), batch_size=8, num_microbatches=3)
+
+
+def test_a_world_that_does_not_fit_the_mesh_fails_fast_on_every_rank():
+    with pytest.raises(RankError, match=r"world_size 6 != dp 2 × tp 2 × pp 2 = 8"):
+        launch(train_3d, 6, dp=2, tp=2, pp=2, timeout=30)
+
+
+# ------------------------------------------------------------------------------------ training in 3D
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the whole batch, the same seed: losses and parameters after STEPS Adam steps."""
+    config = preset("tiny")
+    model = build(config, seed=0, dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = SyntheticTokens(config.vocab_size, SEQ, seed=0)
+    losses = [training_step(model, optimizer, *data.batch(step, BATCH)) for step in range(STEPS)]
+    return losses, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def run_2x2x2():
+    return launch(train_3d, 8, dp=2, tp=2, pp=2, num_microbatches=2, steps=STEPS, batch_size=BATCH, seq_len=SEQ,
+                  dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 2, 2), (2, 1, 2), (2, 2, 1)], ids=lambda t: "dp%d-tp%d-pp%d" % t)
+def test_3d_training_equals_one_process(layout, reference, run_2x2x2):
+    dp, tp, pp = layout
+    results = run_2x2x2 if layout == (2, 2, 2) else launch(
+        train_3d, dp * tp * pp, dp=dp, tp=tp, pp=pp, num_microbatches=2, steps=STEPS, batch_size=BATCH,
+        seq_len=SEQ, dtype=torch.float64, schedule="gpipe")
+    losses, state = reference
+    assert max(abs(a - b) for a, b in zip(global_losses(results), losses)) <= F64
+    assert max_parameter_gap(results, state) <= F64
+    # every parameter of the unsplit model is held whole, or in tp pieces that add up to it
+    held = {}
+    for r in results:
+        if r["coords"]["dp"] == 0:
+            for name, p in r["params"].items():
+                held.setdefault(name, set()).add((r["coords"]["tp"], p.numel()))
+    assert held.keys() == state.keys()
+    for name, pieces in held.items():
+        whole = {numel for _, numel in pieces} == {state[name].numel()}
+        assert whole or sum(numel for _, numel in pieces) == state[name].numel(), name
+
+
+def test_each_rank_holds_exactly_its_share_of_the_state(run_2x2x2):
+    config, mesh = preset("tiny"), Mesh(dp=2, tp=2, pp=2)
+    for r in run_2x2x2:
+        params = params_per_rank(config, mesh, r["coords"]["pp"])
+        assert r["state_bytes"]["weights"] == r["state_bytes"]["grads"] == 8 * params
+        assert r["state_bytes"]["optimizer"] == 2 * 8 * params   # Adam's m and v, float64
+    assert params_per_rank(config, Mesh(), 0) == param_count_formula(config)   # one rank: the whole model
+
+
+def test_bytes_sent_on_each_axis_equal_the_prediction(run_2x2x2):
+    config, mesh = preset("tiny"), Mesh(dp=2, tp=2, pp=2)
+    for r in run_2x2x2:
+        predicted = sent_bytes_per_rank(config, mesh, r["coords"]["pp"], batch_size=BATCH, seq_len=SEQ,
+                                        num_microbatches=2, bytes_per_element=8)
+        assert r["sent_bytes"] == predicted
+        layers = config.num_layers // mesh.pp
+        assert r["ops"]["tp"] == {"all_reduce": 4 * layers * 2}   # 2 forward + 2 backward, per layer and micro-batch
+    assert predicted["tp"] > predicted["pp"]   # TP talks inside every layer, PP only at the boundary
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+def test_the_plan_for_the_sources_models():
+    seven = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GB)
+    assert (seven.mesh, seven.zero_stage) == (Mesh(dp=8), 1)   # DDP 100 GiB does not fit, ZeRO-1 does
+    seventy = plan(preset("llama2-70b"), num_gpus=8, gpu_bytes=80 * GB)
+    assert not seventy.fits and seventy.min_gpus == 14
+    assert 125 * GiB < seventy.state_bytes < 135 * GiB       # ZeRO-3 on 8 cards: ~130 GiB per card
+    many = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GB)
+    assert many.mesh == Mesh(dp=2, tp=8, pp=2) and many.state_bytes <= 80 * GB   # TP in the node, PP across
+    assert "TP=8 inside each node, PP=2 across nodes" in str(many)
+
+
+def test_a_layer_too_big_for_one_gpu_is_split_with_tp():
+    layout = plan(preset("llama2-7b"), num_gpus=64, gpu_bytes=2 * GiB)   # one layer's state: 3 GiB
+    assert "TP=2 inside a node" in layout.answers[1]
+    assert layout.fits and layout.mesh.tp >= 2 and layout.state_bytes <= 2 * GiB   # (TP=8 in the end: PP is needed too)
+
+
+def test_bad_smells_and_bad_input():
+    smells = bad_smells(Mesh(tp=16, pp=8), gpus_per_node=8, num_microbatches=4, zero_stage=3,
+                        config=preset("tiny"), gpu_bytes=80 * GB)
+    assert [s.split(":")[0] for s in smells] == ["TP 16 > 8 GPUs per node", "PP 8 stages > 4 micro-batches",
+                                                 "ZeRO-3 on a model whose whole state (0.00 GiB) fits on one GPU"]
+    assert bad_smells(Mesh(dp=2, tp=8, pp=2), gpus_per_node=8, num_microbatches=16) == []
+    with pytest.raises(ValueError, match="num_gpus=12 must be a whole number of nodes of gpus_per_node=8"):
+        plan(preset("tiny"), num_gpus=12, gpu_bytes=80 * GB)
