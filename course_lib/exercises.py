@@ -304,3 +304,50 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
                 return False
     print("✓ correct: one reduce-scatter, this rank's shard of the mean, the last shard padded with zeros")
     return True
+
+
+def check_3d_layout(layout) -> bool:
+    """06: ``layout()`` must return {"dp", "tp", "pp", "zero_stage", "num_microbatches"} for Llama-2-70B on 32
+    GPUs of 80 GiB (4 nodes of 8) with a global batch of 64 sequences. Checked with the course's own rules:
+    dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
+    into dp shares of num_microbatches equal micro-batches; the training state fits (plan.state_per_gpu);
+    the bubble stays under 20%."""
+    from .ledger import GiB
+    from .mesh import Mesh
+    from .model import preset
+    from .pipeline_parallel import bubble_fraction
+    from .plan import state_per_gpu
+
+    config, num_gpus, gpus_per_node, card, batch = preset("llama2-70b"), 32, 8, 80 * GiB, 64
+    try:
+        answer = layout()
+    except NotImplementedError:
+        print(NOT_DONE)
+        return False
+    try:
+        mesh = Mesh(dp=answer["dp"], tp=answer["tp"], pp=answer["pp"])
+        stage, m = answer["zero_stage"], answer["num_microbatches"]
+        mesh.check(num_gpus)
+        mesh.check_model(config, batch_size=batch, num_microbatches=m)
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"✗ {type(err).__name__}: {err}")
+        return False
+    if mesh.tp > gpus_per_node:
+        print(f"✗ TP={mesh.tp} spans {mesh.tp // gpus_per_node} nodes: its all-reduces run in every layer, keep them "
+              f"inside a node of {gpus_per_node}")
+        return False
+    if stage not in (0, 1, 2, 3):
+        print(f"✗ zero_stage={stage!r}: one of 0 (DDP), 1, 2, 3")
+        return False
+    state = state_per_gpu(config, mesh, stage)["total"]
+    if state > card:
+        print(f"✗ {state / GiB:.1f} GiB of training state on the fullest GPU > {card / GiB:.0f} GiB: shard more "
+              "(a higher ZeRO stage over dp, or more TP/PP)")
+        return False
+    bubble = bubble_fraction(mesh.pp, m)
+    if bubble > 0.2:
+        print(f"✗ the bubble is (p-1)/(m+p-1) = {mesh.pp - 1}/{m + mesh.pp - 1} = {bubble:.0%}: more micro-batches")
+        return False
+    print(f"✓ dp {mesh.dp} × tp {mesh.tp} × pp {mesh.pp}, ZeRO-{stage}, m = {m}: {state / GiB:.1f} GiB of state per "
+          f"GPU (of {card / GiB:.0f}), bubble {bubble:.1%}, TP inside the node")
+    return True

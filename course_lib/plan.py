@@ -49,10 +49,16 @@ class Plan:
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
 
 
-def _state(config, mesh: Mesh, stage: int, per_param: dict) -> int:
-    """Training state on the fullest GPU of ``mesh`` with ZeRO-``stage`` over its dp group."""
-    return max(zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp, **per_param)["total"]
-               for s in range(mesh.pp))
+def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> dict[str, int]:
+    """Training state on the fullest GPU of ``mesh`` with ZeRO-``stage`` over its dp group:
+    {"weights", "grads", "optimizer", "total"} (ledger.zero_state_bytes of mesh.params_per_rank)."""
+    return max((zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp,
+                                 **CONVENTIONS[convention].per_param) for s in range(mesh.pp)),
+               key=lambda state: state["total"])
+
+
+def _state(config, mesh: Mesh, stage: int, convention: str) -> int:
+    return state_per_gpu(config, mesh, stage, convention)["total"]
 
 
 def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, convention: str = "mixed",
@@ -62,7 +68,6 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
 
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
-    per_param = CONVENTIONS[convention].per_param
     bytes_per_param = CONVENTIONS[convention].total
     budget = gpu_bytes - reserve_bytes
     num_params = param_count_formula(config)
@@ -70,7 +75,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
     answers = []
 
     # 1. The state: the DDP / ZeRO ladder over every GPU.
-    ladder = {stage: _state(config, Mesh(dp=num_gpus), stage, per_param) for stage in range(4)}
+    ladder = {stage: _state(config, Mesh(dp=num_gpus), stage, convention) for stage in range(4)}
     fitting = [stage for stage, nbytes in ladder.items() if nbytes <= budget]
     rungs = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {gib(n)}" for s, n in ladder.items())
     if not fitting:
@@ -103,16 +108,16 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
 
     # 3. Node boundaries: keep the model inside one node if its sharded state fits there.
     node = min(gpus_per_node, num_gpus)
-    if any(_state(config, Mesh(dp=node // tp, tp=tp), s, per_param) <= budget for s in range(4)):
+    if any(_state(config, Mesh(dp=node // tp, tp=tp), s, convention) <= budget for s in range(4)):
         mesh = Mesh(dp=num_gpus // tp, tp=tp)
-        stage = next(s for s in range(4) if _state(config, mesh, s, per_param) <= budget)
+        stage = next(s for s in range(4) if _state(config, mesh, s, convention) <= budget)
         answers.append(f"the model fits in one node of {node} GPUs: {'its TP group stays inside a node and ' if tp > 1 else ''}"
                        f"{'the nodes are data-parallel replicas' if num_gpus > node else 'nothing crosses nodes'}")
     else:   # it must span nodes: TP over the whole node, PP across nodes, the fewest stages that fit
         node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
         layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
                    if num_gpus % (node_tp * pp) == 0]
-        found = [(mesh, s) for mesh in layouts for s in range(4) if _state(config, mesh, s, per_param) <= budget]
+        found = [(mesh, s) for mesh in layouts for s in range(4) if _state(config, mesh, s, convention) <= budget]
         if found:
             mesh, stage = found[0]
             answers.append(f"the model does not fit in one node of {node} GPUs: TP={mesh.tp} inside each node, "
@@ -123,7 +128,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
             mesh, stage = Mesh(dp=num_gpus // tp, tp=tp), 3
             answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline of TP={node_tp} "
                            f"stages does: ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes")
-    return Plan(mesh, stage, _state(config, mesh, stage, per_param), budget, answers)
+    return Plan(mesh, stage, _state(config, mesh, stage, convention), budget, answers)
 
 
 def _tp_ok(config, tp: int) -> bool:

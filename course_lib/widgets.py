@@ -435,3 +435,64 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     show()
     panel.controls = controls   # a notebook cell can set values and read panel.memory and panel.wire
     return panel
+
+
+PLAN_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gpus_per_node=8):
+    """Model × GPUs × card → the three questions of plan.plan answered, the state per GPU of every ZeRO rung
+    over all the GPUs and of the chosen layout, against the card, and the layout's bad smells, if any."""
+    from .ledger import GiB
+    from .mesh import Mesh
+    from .plan import bad_smells, plan, state_per_gpu
+
+    configs = {name: config for name, config in _explorer_configs().items() if name != "custom"}
+    controls = {
+        "model": widgets.Dropdown(options=list(configs), value=model, description="model"),
+        "gpus": widgets.SelectionSlider(options=list(PLAN_GPUS), value=num_gpus, description="GPUs"),
+        "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        "per_node": widgets.ToggleButtons(options=[4, 8], value=gpus_per_node, description="GPUs per node"),
+    }
+    _settle(controls, "100px")
+    out = widgets.Output()
+    panel = widgets.VBox([widgets.HBox([widgets.VBox([controls["model"], controls["gpu"]]),
+                                        widgets.VBox([controls["gpus"], controls["per_node"]])]), out])
+
+    def show(_=None):
+        config, n, capacity = configs[controls["model"].value], controls["gpus"].value, GPUS[controls["gpu"].value]
+        per_node = min(controls["per_node"].value, n)
+        try:
+            panel.plan = plan(config, num_gpus=n, gpu_bytes=capacity, gpus_per_node=per_node)
+        except ValueError as err:
+            panel.plan = None
+            with out:
+                out.clear_output(wait=True)
+                print(err)
+            return
+        rows = {("DDP" if s == 0 else f"ZeRO-{s}") + f" over {n}": state_per_gpu(config, Mesh(dp=n), s)
+                for s in range(4)}
+        if panel.plan.fits:
+            m = panel.plan.mesh
+            rows[f"plan: dp{m.dp}×tp{m.tp}×pp{m.pp}, ZeRO-{panel.plan.zero_stage}"] = state_per_gpu(
+                config, m, panel.plan.zero_stage)
+        with out:
+            out.clear_output(wait=True)
+            fig = plots.memory_bars({k: {p: v[p] for p in ("weights", "grads", "optimizer")} for k, v in rows.items()},
+                                    capacity_bytes=capacity, capacity_label=controls["gpu"].value,
+                                    title=f"{controls['model'].value} on {n} GPUs: training state per GPU")
+            display(fig)
+            plt.close(fig)
+            print(panel.plan)
+            if panel.plan.fits:
+                for smell in bad_smells(panel.plan.mesh, gpus_per_node=per_node, zero_stage=panel.plan.zero_stage,
+                                        config=config, gpu_bytes=capacity):
+                    print("bad smell:", smell)
+            print(f"(state only, in GiB = 2**30 bytes; activations come on top: notebook 01. Card: "
+                  f"{capacity / GiB:.0f} GiB)")
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    panel.controls = controls
+    return panel

@@ -10,7 +10,7 @@ from course_lib import RankError, launch
 from course_lib.data import SyntheticTokens
 from course_lib.ledger import GiB
 from course_lib.mesh import (Mesh, global_losses, make_comms, max_parameter_gap, params_per_rank,
-                             sent_bytes_per_rank, train_3d)
+                             sent_bytes_per_rank, train_3d, train_torch_2d)
 from course_lib.model import build, param_count_formula, preset
 from course_lib.plan import bad_smells, plan
 from course_lib.train import training_step
@@ -167,3 +167,28 @@ def test_bad_smells_and_bad_input():
     assert bad_smells(Mesh(dp=2, tp=8, pp=2), gpus_per_node=8, num_microbatches=16) == []
     with pytest.raises(ValueError, match="num_gpus=12 must be a whole number of nodes of gpus_per_node=8"):
         plan(preset("tiny"), num_gpus=12, gpu_bytes=80 * GB)
+
+
+def test_torchs_fsdp_with_tp_on_a_2d_mesh_gives_the_same_losses(reference, run_2x2x2):
+    losses, _ = reference
+    theirs = launch(train_torch_2d, 4, dp=2, tp=2, steps=STEPS, batch_size=BATCH, seq_len=SEQ, dtype=torch.float64)
+    for rank_losses in theirs:
+        assert max(abs(a - b) for a, b in zip(rank_losses, losses)) <= F64
+        assert max(abs(a - b) for a, b in zip(rank_losses, global_losses(run_2x2x2))) <= F64
+
+
+def test_the_lab_runs_under_torchrun_and_checks_its_bytes(tmp_path):
+    """The instructors' path: torchrun starts the ranks, each runs train_3d in place, rank 0 reports."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(repo / "labs" / "parallel_3d.py"), "--tp", "2", "--pp", "2", "--steps", "2", "--out", str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "traced bytes = formula on every rank" in out.stdout
+    assert (tmp_path / "parallel_3d.json").exists() and (tmp_path / "parallel_3d.png").exists()

@@ -1,0 +1,75 @@
+"""Lab 06: train the course model on a dp × tp × pp grid of ranks, and count what each axis holds and sends.
+
+    python labs/parallel_3d.py --world-size 8 --tp 2 --pp 2          # this CPU: 8 gloo ranks, dp = 8/(2·2) = 2
+    torchrun --nproc-per-node 8 labs/parallel_3d.py --tp 2 --pp 2 --hidden 1024 --layers 8 --batch-size 32
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        labs/parallel_3d.py --tp 8 --pp 2 --hidden 4096 --layers 16 --batch-size 64 --microbatches 16
+
+Ranks are laid out as in course_lib/mesh.py: tp fastest (a TP group is consecutive ranks, inside a node), pp
+slowest (stages across nodes), dp between. Each step: this dp rank's share of the batch goes through the
+pipeline (1F1B) in --microbatches micro-batches, with TP's all-reduces inside every layer, then gradients are
+averaged over the dp group. The table has one row per rank: coordinates, parameters held, and the bytes it sent
+on each axis in the last step, traced, with the formula's (mesh.sent_bytes_per_rank) beside them; then the
+median step time. Results go to labs/results/parallel_3d.json and .png for notebook 06.
+"""
+
+import json
+import statistics
+
+from common import lab_parser, model_overrides, reports
+from course_lib import launch
+from course_lib.mesh import Mesh, params_per_rank, sent_bytes_per_rank, train_3d
+from course_lib.model import preset
+
+
+def main():
+    parser = lab_parser(__doc__, world_size=8, steps=10)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (inside a node)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (across nodes)")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    args = parser.parse_args()
+    mesh = Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp)
+    overrides = model_overrides(args)
+    config = preset("tiny", **overrides)
+    mesh.check_model(config, batch_size=args.batch_size, num_microbatches=args.microbatches)   # before any rank
+    results = launch(train_3d, args.world_size, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
+                     num_microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
+                     seq_len=args.seq_len, lr=args.lr, progress=True, return_params=False, **overrides)
+    if not reports():
+        return
+    print(f"\n{mesh}, {results[0]['backend']}, global batch {args.batch_size} × {args.seq_len} tokens, "
+          f"{args.microbatches} micro-batches")
+    print(f"{'rank':>4} {'pp dp tp':>9} {'params held':>12}   " +
+          "   ".join(f"{axis + ' KiB sent (pred)':>24}" for axis in ("tp", "pp", "dp")))
+    rows = []
+    for r in results:
+        c = r["coords"]
+        predicted = sent_bytes_per_rank(config, mesh, c["pp"], batch_size=args.batch_size, seq_len=args.seq_len,
+                                        num_microbatches=args.microbatches, bytes_per_element=4)
+        held = params_per_rank(config, mesh, c["pp"])
+        print(f"{r['rank']:>4} {c['pp']:>3}{c['dp']:>3}{c['tp']:>3} {held:>12,}   " + "   ".join(
+            f"{r['sent_bytes'][a] / 1024:>12,.1f} ({predicted[a] / 1024:>9,.1f})" for a in ("tp", "pp", "dp")))
+        assert r["sent_bytes"] == predicted, f"rank {r['rank']}: traced bytes differ from the formula"
+        assert r["state_bytes"]["weights"] == 4 * held, f"rank {r['rank']}: weights differ from params_per_rank"
+        rows.append({**{k: r[k] for k in ("rank", "coords", "sent_bytes", "state_bytes", "ops", "step_seconds")},
+                     "predicted_sent_bytes": predicted, "params_held": held})
+    step = statistics.median(max(r["step_seconds"][i] for r in results) for i in range(1, args.steps)) \
+        if args.steps > 1 else max(r["step_seconds"][0] for r in results)
+    losses = [r["losses"] for r in results if r["losses"][0] is not None]
+    print(f"traced bytes = formula on every rank; median step {step * 1e3:.1f} ms; loss "
+          f"{losses[0][0]:.3f} → {losses[0][-1]:.3f} (last stage, dp rank 0)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}, "batch_size": args.batch_size,
+              "seq_len": args.seq_len, "num_microbatches": args.microbatches, "median_step_seconds": step,
+              "config": {k: getattr(config, k) for k in ("hidden", "num_layers", "num_heads", "num_kv_heads",
+                                                         "intermediate")}, "ranks": rows}
+    (args.out / "parallel_3d.json").write_text(json.dumps(record, indent=1))
+    from course_lib.plots import bytes_per_axis
+    bytes_per_axis([r["sent_bytes"] for r in rows], [r["predicted_sent_bytes"] for r in rows],
+                   title=f"bytes each rank sends per step, {mesh}").savefig(args.out / "parallel_3d.png", dpi=100)
+    print(f"wrote {args.out / 'parallel_3d.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
