@@ -346,8 +346,9 @@ def check_3d_layout(layout) -> bool:
         return False
     bubble = bubble_fraction(mesh.pp, m)
     if bubble > 0.2:
-        print(f"✗ the bubble is (p-1)/(m+p-1) = {mesh.pp - 1}/{m + mesh.pp - 1} = {bubble:.0%}: more micro-batches")
+        print(f"✗ the bubble is (p-1)/(m+p-1) = {mesh.pp - 1}/{m + mesh.pp - 1} = {bubble:.0%}: "
+              "more micro-batches")
         return False
-    print(f"✓ dp {mesh.dp} × tp {mesh.tp} × pp {mesh.pp}, ZeRO-{stage}, m = {m}: {state / GiB:.1f} GiB of state per "
-          f"GPU (of {card / GiB:.0f}), bubble {bubble:.1%}, TP inside the node")
+    print(f"✓ dp {mesh.dp} × tp {mesh.tp} × pp {mesh.pp}, ZeRO-{stage}, m = {m}: {state / GiB:.1f} GiB of state "
+          f"per GPU (of {card / GiB:.0f}), bubble {bubble:.1%}, TP inside the node")
     return True

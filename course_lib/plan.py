@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .ledger import CONVENTIONS, GiB, zero_state_bytes
 from .mesh import Mesh, layer_params, params_per_rank
 from .model import param_count_formula
+from .tensor_parallel import check_tp_divisible
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.mesh is not None
+        return self.mesh is not None and self.state_bytes <= self.budget_bytes
 
     def __str__(self) -> str:
         if not self.fits:
@@ -64,8 +65,6 @@ def _state(config, mesh: Mesh, stage: int, convention: str) -> int:
 def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, convention: str = "mixed",
          reserve_bytes: int = 0) -> Plan:
     """The layout the three questions lead to for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each."""
-    from .tensor_parallel import check_tp_divisible
-
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
     bytes_per_param = CONVENTIONS[convention].total
@@ -92,11 +91,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
     tp = 1
     if layer_state > budget:
         for candidate in range(2, min(gpus_per_node, num_gpus) + 1):
-            try:
-                check_tp_divisible(config, candidate)
-            except ValueError:
-                continue
-            if layer_state / candidate <= budget:
+            if _tp_ok(config, candidate) and layer_state / candidate <= budget:
                 tp = candidate
                 break
         else:
@@ -111,8 +106,9 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
     if any(_state(config, Mesh(dp=node // tp, tp=tp), s, convention) <= budget for s in range(4)):
         mesh = Mesh(dp=num_gpus // tp, tp=tp)
         stage = next(s for s in range(4) if _state(config, mesh, s, convention) <= budget)
-        answers.append(f"the model fits in one node of {node} GPUs: {'its TP group stays inside a node and ' if tp > 1 else ''}"
-                       f"{'the nodes are data-parallel replicas' if num_gpus > node else 'nothing crosses nodes'}")
+        where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
+        answers.append(f"the model fits in one node of {node} GPUs: " +
+                       (f"its TP group stays inside a node and {where}" if tp > 1 else where))
     else:   # it must span nodes: TP over the whole node, PP across nodes, the fewest stages that fit
         node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
         layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
@@ -132,7 +128,6 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
 
 
 def _tp_ok(config, tp: int) -> bool:
-    from .tensor_parallel import check_tp_divisible
     try:
         check_tp_divisible(config, tp)
         return True

@@ -316,8 +316,8 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
     """Stages, micro-batches, schedule and the last stage's cost → a real pipeline step on that many ranks in
     controlled-cost mode (every forward and backward padded to ``op_ms``, the last stage's to
     ``last_stage_cost`` × op_ms; the fastest of ``steps`` steps): its measured Gantt chart and bubble beside
-    the formula (p-1)/(m+p-1) and the simulated prediction for these costs. Runs are cached (``panel.runs``: settings → Timeline) on
-    persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
+    the formula (p-1)/(m+p-1) and the simulated prediction for these costs. Runs are cached (``panel.runs``:
+    settings → Timeline) on persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
     """
     from .model import build, preset
     from .pipeline_parallel import Timeline, bubble_fraction, pipeline_worker, simulate
