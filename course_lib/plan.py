@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .ledger import CONVENTIONS, GiB, zero_state_bytes
+from .ledger import CONVENTIONS, GiB, MiB, zero_state_bytes
 from .mesh import Mesh, layer_params, params_per_rank
 from .model import param_count_formula
 from .tensor_parallel import check_tp_divisible
@@ -46,8 +46,12 @@ class Plan:
             head = f"does not fit: at least {self.min_gpus} GPUs"
         else:
             m, name = self.mesh, ("DDP" if self.zero_stage == 0 else f"ZeRO-{self.zero_stage}")
-            head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {self.state_bytes / GiB:.1f} GiB of state per GPU"
+            head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {_size(self.state_bytes)} of state per GPU"
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
 
 
 def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> dict[str, int]:
@@ -70,20 +74,19 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
     bytes_per_param = CONVENTIONS[convention].total
     budget = gpu_bytes - reserve_bytes
     num_params = param_count_formula(config)
-    gib = lambda n: f"{n / GiB:.1f} GiB"   # noqa: E731
     answers = []
 
     # 1. The state: the DDP / ZeRO ladder over every GPU.
     ladder = {stage: _state(config, Mesh(dp=num_gpus), stage, convention) for stage in range(4)}
     fitting = [stage for stage, nbytes in ladder.items() if nbytes <= budget]
-    rungs = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {gib(n)}" for s, n in ladder.items())
+    rungs = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {_size(n)}" for s, n in ladder.items())
     if not fitting:
         min_gpus = math.ceil(bytes_per_param * num_params / budget)
-        answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; none fits in {gib(budget)}: "
+        answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; none fits in {_size(budget)}: "
                        f"{bytes_per_param} B × {num_params:,} params needs at least {min_gpus} such GPUs")
         return Plan(None, None, ladder[3], budget, answers, min_gpus)
     stage = fitting[0]
-    answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {gib(budget)}: "
+    answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {_size(budget)}: "
                    f"{'DDP' if stage == 0 else f'ZeRO-{stage}'}")
 
     # 2. One layer: split it (TP, inside a node) if its own state does not fit on one GPU.
@@ -95,11 +98,11 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
                 tp = candidate
                 break
         else:
-            raise ValueError(f"one layer's state ({gib(layer_state)}) does not fit in {gib(budget)} even split "
+            raise ValueError(f"one layer's state ({_size(layer_state)}) does not fit in {_size(budget)} even split "
                              f"over the {gpus_per_node} GPUs of a node that TP may use")
-        answers.append(f"one layer's state is {gib(layer_state)} > {gib(budget)}: TP={tp} inside a node")
+        answers.append(f"one layer's state is {_size(layer_state)} > {_size(budget)}: TP={tp} inside a node")
     else:
-        answers.append(f"one layer's state is {gib(layer_state)}: fits, no TP needed")
+        answers.append(f"one layer's state is {_size(layer_state)}: fits on one GPU, its size forces no TP")
 
     # 3. Node boundaries: keep the model inside one node if its sharded state fits there.
     node = min(gpus_per_node, num_gpus)
@@ -109,17 +112,19 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
         where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
         answers.append(f"the model fits in one node of {node} GPUs: " +
                        (f"its TP group stays inside a node and {where}" if tp > 1 else where))
-    else:   # it must span nodes: TP over the whole node, PP across nodes, the fewest stages that fit
+    else:   # it must span nodes: a node is one TP group (its fast links), PP crosses nodes, ZeRO shards the rest
         node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
         layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
                    if num_gpus % (node_tp * pp) == 0]
-        found = [(mesh, s) for mesh in layouts for s in range(4) if _state(config, mesh, s, convention) <= budget]
+        # ZeRO-1 at least on a dp axis: it costs no more traffic than DDP and leaves room for activations
+        found = [(mesh, s) for mesh in layouts for s in range(1 if mesh.dp > 1 else 0, 4)
+                 if _state(config, mesh, s, convention) <= budget]
         if found:
             mesh, stage = found[0]
-            answers.append(f"the model does not fit in one node of {node} GPUs: TP={mesh.tp} inside each node, "
-                           f"PP={mesh.pp} across nodes, " + (f"{'DDP' if stage == 0 else f'ZeRO-{stage}'} over the "
-                                                            f"dp group of {mesh.dp}" if mesh.dp > 1 else
-                                                            "no data parallelism left"))
+            answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node is one "
+                           f"TP={mesh.tp} group (TP talks in every layer: it needs the node's fast links), PP={mesh.pp}"
+                           " crosses nodes, " + (f"ZeRO-{stage} over the dp group of {mesh.dp} (free: DDP's traffic)"
+                                                 if mesh.dp > 1 else "no data parallelism left"))
         else:   # no pipeline fits (the embedding and head are whole on their stage): shard them with ZeRO-3
             mesh, stage = Mesh(dp=num_gpus // tp, tp=tp), 3
             answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline of TP={node_tp} "

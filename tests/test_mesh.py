@@ -11,7 +11,7 @@ from course_lib.data import SyntheticTokens
 from course_lib.ledger import GiB
 from course_lib.mesh import (Mesh, global_losses, make_comms, max_parameter_gap, params_per_rank,
                              sent_bytes_per_rank, train_3d, train_torch_2d)
-from course_lib.model import build, param_count_formula, preset
+from course_lib.model import ModelConfig, build, param_count_formula, preset
 from course_lib.plan import bad_smells, plan
 from course_lib.train import training_step
 
@@ -142,21 +142,27 @@ def test_bytes_sent_on_each_axis_equal_the_prediction(run_2x2x2):
 
 # ------------------------------------------------------------------------------------------ the plan
 
-def test_the_plan_for_the_sources_models():
-    seven = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GB)
+def test_the_plan_for_the_sources_cases():
+    small = plan(preset("tiny"), num_gpus=8, gpu_bytes=24 * GiB)   # fits on one card, training is just slow
+    assert (small.mesh, small.zero_stage) == (Mesh(dp=8), 0)
+    seven = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GiB)
     assert (seven.mesh, seven.zero_stage) == (Mesh(dp=8), 1)   # DDP 100 GiB does not fit, ZeRO-1 does
-    seventy = plan(preset("llama2-70b"), num_gpus=8, gpu_bytes=80 * GB)
-    assert not seventy.fits and seventy.min_gpus == 14
+    seventy = plan(preset("llama2-70b"), num_gpus=8, gpu_bytes=80 * GiB)
+    assert not seventy.fits and seventy.min_gpus == 13      # 16 B × 68.98e9 / 80 GiB = 12.8
     assert 125 * GiB < seventy.state_bytes < 135 * GiB       # ZeRO-3 on 8 cards: ~130 GiB per card
-    many = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GB)
-    assert many.mesh == Mesh(dp=2, tp=8, pp=2) and many.state_bytes <= 80 * GB   # TP in the node, PP across
-    assert "TP=8 inside each node, PP=2 across nodes" in str(many)
+    many = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB)
+    assert (many.mesh, many.zero_stage) == (Mesh(dp=2, tp=8, pp=2), 1)   # TP in the node, PP across, ZeRO-1
+    assert many.fits and "each node is one TP=8 group" in str(many) and "PP=2 crosses nodes" in str(many)
+
+
+HUGE_LAYERS = ModelConfig(vocab_size=32000, hidden=16384, num_layers=4, num_heads=128, num_kv_heads=16,
+                          intermediate=65536, max_seq_len=4096)   # one layer's state: 57 GiB
 
 
 def test_a_layer_too_big_for_one_gpu_is_split_with_tp():
-    layout = plan(preset("llama2-7b"), num_gpus=64, gpu_bytes=2 * GiB)   # one layer's state: 3 GiB
-    assert "TP=2 inside a node" in layout.answers[1]
-    assert layout.fits and layout.mesh.tp >= 2 and layout.state_bytes <= 2 * GiB   # (TP=8 in the end: PP is needed too)
+    layout = plan(HUGE_LAYERS, num_gpus=16, gpu_bytes=40 * GiB)
+    assert "57.0 GiB > 40.0 GiB: TP=2 inside a node" in layout.answers[1]
+    assert layout.fits and layout.mesh == Mesh(dp=8, tp=2) and layout.state_bytes <= 40 * GiB
 
 
 def test_bad_smells_and_bad_input():

@@ -20,12 +20,12 @@ from course_lib.pipeline_parallel import (Event, Timeline, bubble_fraction, make
 # relative, measured ≤ 1e-16 on the tiny model. 1e-12 is far above that and far below any real mistake
 # (a lost micro-batch or a missing 1/m moves gradients by > 1e-4).
 F64 = dict(rtol=0, atol=1e-12)
-# Controlled-cost runs: ops padded to 40 ms, best of 3 steps, GPipe (which pays each hand-off's latency once
+# Controlled-cost runs: ops padded to 40 ms, best of 5 steps, GPipe (which pays each hand-off's latency once
 # per boundary; 1F1B pays it at every steady-state op). The gap to the formula is that latency (a rank waking
 # up for a message: 0.1 ms on an idle machine, 1-5 ms on a busy 2-core one) plus late wake-ups from sleep: a few
 # ms per step, under 3% of a 400-900 ms step.
 BUBBLE_TOLERANCE = 0.03
-CONTROLLED = dict(forward_ms=40, batch_size=16, seq_len=8, steps=3, measure_memory=False)
+CONTROLLED = dict(forward_ms=40, batch_size=16, seq_len=8, steps=5, measure_memory=False)
 
 
 @pytest.fixture(scope="module")
