@@ -310,13 +310,13 @@ def check_3d_layout(layout) -> bool:
     """06: ``layout()`` must return {"dp", "tp", "pp", "zero_stage", "num_microbatches"} for Llama-2-70B on 32
     GPUs of 80 GiB (4 nodes of 8) with a global batch of 64 sequences. Checked with the course's own rules:
     dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
-    into dp shares of num_microbatches equal micro-batches; the training state fits (plan.state_per_gpu);
-    the bubble stays under 20%."""
+    into dp shares of num_microbatches equal micro-batches; no bad smell (plan.bad_smells: TP across nodes,
+    ZeRO-2/3 with a pipeline); the training state fits (plan.need_per_gpu); the bubble stays under 20%."""
     from .ledger import GiB
     from .mesh import Mesh
     from .model import preset
     from .pipeline_parallel import bubble_fraction
-    from .plan import state_per_gpu
+    from .plan import bad_smells, need_per_gpu
 
     config, num_gpus, gpus_per_node, card, batch = preset("llama2-70b"), 32, 8, 80 * GiB, 64
     try:
@@ -332,14 +332,14 @@ def check_3d_layout(layout) -> bool:
     except (KeyError, TypeError, ValueError) as err:
         print(f"✗ {type(err).__name__}: {err}")
         return False
-    if mesh.tp > gpus_per_node:
-        print(f"✗ TP={mesh.tp} spans {mesh.tp // gpus_per_node} nodes: its all-reduces run in every layer, keep them "
-              f"inside a node of {gpus_per_node}")
-        return False
     if stage not in (0, 1, 2, 3):
         print(f"✗ zero_stage={stage!r}: one of 0 (DDP), 1, 2, 3")
         return False
-    state = state_per_gpu(config, mesh, stage)["total"]
+    smells = [s for s in bad_smells(mesh, gpus_per_node=gpus_per_node, zero_stage=stage) if "ZeRO-3 on a" not in s]
+    if smells:
+        print(f"✗ {smells[0]}")
+        return False
+    state = need_per_gpu(config, mesh, stage)
     if state > card:
         print(f"✗ {state / GiB:.1f} GiB of training state on the fullest GPU > {card / GiB:.0f} GiB: shard more "
               "(a higher ZeRO stage over dp, or more TP/PP)")

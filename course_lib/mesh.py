@@ -5,7 +5,7 @@ A world of N = dp · tp · pp ranks is a 3-D grid. Rank r sits at coordinates (p
     r = (pp_rank · dp + dp_rank) · tp + tp_rank
 
 tp varies fastest, so the ranks of one TP group are neighbours: torchrun numbers the GPUs of one node
-consecutively, so a TP group of at most gpus_per_node ranks stays inside a node, on its fast links (TP talks in
+consecutively, so a TP group whose size divides gpus_per_node stays inside a node, on its fast links (TP talks in
 every layer). pp varies slowest, so consecutive pipeline stages are far apart, on different nodes: they only
 pass one activation per micro-batch. This is Megatron-LM's order (tp innermost, pp outermost) and the order of
 torchtitan's mesh ("pp", "dp", "tp"); ``Mesh.grid()`` equals torch's ``init_device_mesh`` mesh for it.
@@ -134,14 +134,17 @@ def layer_params(config, tp: int = 1) -> int:
 def params_per_rank(config, mesh: Mesh, stage: int) -> int:
     """Parameters held by one rank of pipeline stage ``stage``: its layers' matrices / tp (TP splits every
     projection of attention and MLP), its layers' norms whole, plus the embedding on the first stage and the
-    final norm and head on the last (none of which TP splits here). Exact for the course model, untied."""
+    final norm and head on the last (none of which TP splits here). Exact for the course model; a tied head is
+    the embedding itself when one stage holds both, and a copy of it on the last stage otherwise."""
     from .pipeline_parallel import partition_layers
 
     count = len(partition_layers(config.num_layers, mesh.pp)[stage]) * layer_params(config, mesh.tp)
     if stage == 0:
         count += config.vocab_size * config.hidden
     if stage == mesh.pp - 1:
-        count += config.hidden + config.vocab_size * config.hidden
+        count += config.hidden
+        if not (config.tie_embeddings and mesh.pp == 1):
+            count += config.vocab_size * config.hidden
     return count
 
 

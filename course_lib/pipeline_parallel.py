@@ -346,6 +346,12 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     batch's inputs and targets (the first stage reads the inputs, the last the targets). Returns {"rank",
     "events", "in_flight", "overruns", "loss" (the batch's mean loss, on the last stage; else None), "t0" (this
     rank's perf_counter at the step's start: event times are relative to it)}."""
+    if torch.distributed.get_backend(comm.group) == "nccl":
+        # Two threads issuing sends and receives on one NCCL communicator can deadlock (NCCL orders them on
+        # one stream; a send waits for a receive queued behind the other side's send). Say so, do not hang.
+        raise RuntimeError("pipeline_step sends and receives on helper threads, which gloo allows and NCCL does "
+                           "not: run it on a gloo group (labs: --backend gloo), or use torch.distributed."
+                           "pipelining for NCCL (torch_pipeline_step)")
     stage, num_stages, m = comm.rank, comm.size, num_microbatches
     first, last = stage == 0, stage == num_stages - 1
     input_chunks, target_chunks = split_microbatches(inputs, m), split_microbatches(targets, m)

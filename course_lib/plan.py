@@ -5,16 +5,20 @@
    gradients too: no more traffic than DDP), ZeRO-3 / FSDP (shard the weights too: 1.5× the traffic).
    If even ZeRO-3 over every GPU does not fit, no layout of these GPUs will: (w + g + o)·P / N is the least
    any of them can hold. Add GPUs (at least ceil((w + g + o)·P / budget)) or other techniques.
-2. Does one layer fit? ZeRO-3 still gathers each layer whole to compute it, so a layer whose own state does
-   not fit on one GPU must be split: tensor parallelism, inside one node (every layer talks 4 times a
-   micro-batch), with a degree that divides the heads.
+2. Does one layer fit? ZeRO-3 gathers each layer whole to compute it: its weights and gradients, (w + g) bytes
+   per parameter of the layer, must fit beside the GPU's shards. If they do not, split the layer: tensor
+   parallelism, inside one node (every layer talks 4 times a micro-batch), with a degree that divides the
+   heads and the node.
 3. Where are the node boundaries? If the sharded model fits in one node, keep it there and let the nodes be
    data-parallel replicas. If it must span nodes, the cross-node axis goes to pipeline parallelism (only
-   boundary activations cross), tensor parallelism stays inside the node, and ZeRO shards what remains over
-   the data-parallel group: "TP inside the node + PP across nodes + ZeRO over everything".
+   boundary activations cross), tensor parallelism takes the node, and ZeRO shards what remains over the
+   data-parallel group: "TP inside the node + PP across nodes + ZeRO over everything". With a pipeline, ZeRO
+   stops at stage 1: stages 2 and 3 would reduce or gather for every micro-batch (DeepSpeed refuses them).
 
-Only the training state is counted (as the source does): activations come on top (notebook 01: they grow with
-batch and sequence length, and recomputation or TP shrinks them); pass ``reserve_bytes`` to keep room for them.
+The ZeRO stage is chosen again for the final layout (TP and PP already cut the model, so a lower rung may do).
+Only the training state and one gathered layer are counted, as the source counts: activations come on top
+(notebook 01: they grow with batch and sequence length; recomputation or TP shrinks them); pass
+``reserve_bytes`` to keep room for them.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ from .tensor_parallel import check_tp_divisible
 class Plan:
     mesh: Mesh | None                      # None: these GPUs cannot hold the training state
     zero_stage: int | None
-    state_bytes: int                       # training state on the fullest GPU, for the plan (or for ZeRO-3)
+    state_bytes: int                       # what the fullest GPU needs for the plan (for ZeRO-3 over all, if none)
     budget_bytes: int
     answers: list[str] = field(default_factory=list)   # the three questions, answered with numbers
-    min_gpus: int | None = None            # when it does not fit: the fewest GPUs that could hold the state
+    min_gpus: int | None = None            # when it does not fit: a lower bound on the GPUs it needs
 
     @property
     def fits(self) -> bool:
@@ -43,10 +47,11 @@ class Plan:
 
     def __str__(self) -> str:
         if not self.fits:
-            head = f"does not fit: at least {self.min_gpus} GPUs"
+            head = "does not fit" + (f": at least {self.min_gpus} GPUs" if self.min_gpus else "")
         else:
-            m, name = self.mesh, ("DDP" if self.zero_stage == 0 else f"ZeRO-{self.zero_stage}")
-            head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {_size(self.state_bytes)} of state per GPU"
+            m = self.mesh
+            name = "no data parallelism" if m.dp == 1 else _stage_name(self.zero_stage) + " over dp"
+            head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {_size(self.state_bytes)} per GPU"
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
 
 
@@ -54,82 +59,8 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
 
 
-def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> dict[str, int]:
-    """Training state on the fullest GPU of ``mesh`` with ZeRO-``stage`` over its dp group:
-    {"weights", "grads", "optimizer", "total"} (ledger.zero_state_bytes of mesh.params_per_rank)."""
-    return max((zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp,
-                                 **CONVENTIONS[convention].per_param) for s in range(mesh.pp)),
-               key=lambda state: state["total"])
-
-
-def _state(config, mesh: Mesh, stage: int, convention: str) -> int:
-    return state_per_gpu(config, mesh, stage, convention)["total"]
-
-
-def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, convention: str = "mixed",
-         reserve_bytes: int = 0) -> Plan:
-    """The layout the three questions lead to for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each."""
-    if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
-        raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
-    bytes_per_param = CONVENTIONS[convention].total
-    budget = gpu_bytes - reserve_bytes
-    num_params = param_count_formula(config)
-    answers = []
-
-    # 1. The state: the DDP / ZeRO ladder over every GPU.
-    ladder = {stage: _state(config, Mesh(dp=num_gpus), stage, convention) for stage in range(4)}
-    fitting = [stage for stage, nbytes in ladder.items() if nbytes <= budget]
-    rungs = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {_size(n)}" for s, n in ladder.items())
-    if not fitting:
-        min_gpus = math.ceil(bytes_per_param * num_params / budget)
-        answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; none fits in {_size(budget)}: "
-                       f"{bytes_per_param} B × {num_params:,} params needs at least {min_gpus} such GPUs")
-        return Plan(None, None, ladder[3], budget, answers, min_gpus)
-    stage = fitting[0]
-    answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {_size(budget)}: "
-                   f"{'DDP' if stage == 0 else f'ZeRO-{stage}'}")
-
-    # 2. One layer: split it (TP, inside a node) if its own state does not fit on one GPU.
-    layer_state = bytes_per_param * layer_params(config)
-    tp = 1
-    if layer_state > budget:
-        for candidate in range(2, min(gpus_per_node, num_gpus) + 1):
-            if _tp_ok(config, candidate) and layer_state / candidate <= budget:
-                tp = candidate
-                break
-        else:
-            raise ValueError(f"one layer's state ({_size(layer_state)}) does not fit in {_size(budget)} even split "
-                             f"over the {gpus_per_node} GPUs of a node that TP may use")
-        answers.append(f"one layer's state is {_size(layer_state)} > {_size(budget)}: TP={tp} inside a node")
-    else:
-        answers.append(f"one layer's state is {_size(layer_state)}: fits on one GPU, its size forces no TP")
-
-    # 3. Node boundaries: keep the model inside one node if its sharded state fits there.
-    node = min(gpus_per_node, num_gpus)
-    if any(_state(config, Mesh(dp=node // tp, tp=tp), s, convention) <= budget for s in range(4)):
-        mesh = Mesh(dp=num_gpus // tp, tp=tp)
-        stage = next(s for s in range(4) if _state(config, mesh, s, convention) <= budget)
-        where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
-        answers.append(f"the model fits in one node of {node} GPUs: " +
-                       (f"its TP group stays inside a node and {where}" if tp > 1 else where))
-    else:   # it must span nodes: a node is one TP group (its fast links), PP crosses nodes, ZeRO shards the rest
-        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
-        layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
-                   if num_gpus % (node_tp * pp) == 0]
-        # ZeRO-1 at least on a dp axis: it costs no more traffic than DDP and leaves room for activations
-        found = [(mesh, s) for mesh in layouts for s in range(1 if mesh.dp > 1 else 0, 4)
-                 if _state(config, mesh, s, convention) <= budget]
-        if found:
-            mesh, stage = found[0]
-            answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node is one "
-                           f"TP={mesh.tp} group (TP talks in every layer: it needs the node's fast links), PP={mesh.pp}"
-                           " crosses nodes, " + (f"ZeRO-{stage} over the dp group of {mesh.dp} (free: DDP's traffic)"
-                                                 if mesh.dp > 1 else "no data parallelism left"))
-        else:   # no pipeline fits (the embedding and head are whole on their stage): shard them with ZeRO-3
-            mesh, stage = Mesh(dp=num_gpus // tp, tp=tp), 3
-            answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline of TP={node_tp} "
-                           f"stages does: ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes")
-    return Plan(mesh, stage, _state(config, mesh, stage, convention), budget, answers)
+def _stage_name(stage: int) -> str:
+    return "DDP" if stage == 0 else f"ZeRO-{stage}"
 
 
 def _tp_ok(config, tp: int) -> bool:
@@ -140,21 +71,113 @@ def _tp_ok(config, tp: int) -> bool:
         return False
 
 
+def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> dict[str, int]:
+    """Training state on the fullest GPU of ``mesh`` with ZeRO-``stage`` over its dp group:
+    {"weights", "grads", "optimizer", "total"} (ledger.zero_state_bytes of mesh.params_per_rank)."""
+    return max((zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp,
+                                 **CONVENTIONS[convention].per_param) for s in range(mesh.pp)),
+               key=lambda state: state["total"])
+
+
+def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
+    """What ZeRO-3 gathers to compute one layer: its weights and gradients, whole (or this rank's TP slice)."""
+    per_param = CONVENTIONS[convention]
+    return (per_param.weight_bytes + per_param.grad_bytes) * layer_params(config, tp)
+
+
+def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> int:
+    """The fullest GPU's training state, plus, with ZeRO-3, one layer gathered whole beside its shards."""
+    extra = gathered_layer_bytes(config, mesh.tp, convention) if stage == 3 else 0
+    return state_per_gpu(config, mesh, stage, convention)["total"] + extra
+
+
+def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, convention: str = "mixed",
+         reserve_bytes: int = 0) -> Plan:
+    """The layout the three questions lead to for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each."""
+    if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
+        raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
+    budget = gpu_bytes - reserve_bytes
+    node = min(gpus_per_node, num_gpus)
+    answers = []
+
+    def first_fit(mesh, stages=range(4)):
+        return next((s for s in stages if need_per_gpu(config, mesh, s, convention) <= budget), None)
+
+    # 1. The state: the DDP / ZeRO ladder over every GPU.
+    ladder = {s: state_per_gpu(config, Mesh(dp=num_gpus), s, convention)["total"] for s in range(4)}
+    rungs = ", ".join(f"{_stage_name(s)} {_size(n)}" for s, n in ladder.items())
+    stage = next((s for s, n in ladder.items() if n <= budget), None)
+    if stage is None:
+        whole = CONVENTIONS[convention].total * param_count_formula(config)
+        answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; none fits in {_size(budget)}: "
+                       f"{_size(whole)} of state needs at least {math.ceil(whole / budget)} such GPUs")
+        return Plan(None, None, ladder[3], budget, answers, math.ceil(whole / budget))
+    answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {_size(budget)}: "
+                   f"{_stage_name(stage)}")
+
+    # 2. One layer: with ZeRO-3 it is gathered whole beside the shards; split it (TP, in a node) if it does not fit.
+    layer = gathered_layer_bytes(config, 1, convention)
+    tp = 1
+    if stage == 3 and ladder[3] + layer > budget:
+        tp = next((t for t in range(2, node + 1) if node % t == 0 and _tp_ok(config, t)
+                   and ladder[3] + layer / t <= budget), None)
+        if tp is None:
+            raise ValueError(f"one layer's weights and gradients ({_size(layer)}) do not fit beside the shards "
+                             f"({_size(ladder[3])}) in {_size(budget)}, even split over the {node} GPUs of a node")
+        answers.append(f"one layer gathered whole is {_size(layer)}, beside {_size(ladder[3])} of shards > "
+                       f"{_size(budget)}: TP={tp} inside a node")
+    else:
+        answers.append(f"one layer gathered whole is {_size(layer)}: it fits, its size forces no TP")
+
+    # 3. Node boundaries: keep the model inside one node if its sharded state fits there.
+    if first_fit(Mesh(dp=node // tp, tp=tp)) is not None:
+        mesh = Mesh(dp=num_gpus // tp, tp=tp)
+        stage = first_fit(mesh)
+        where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
+        answers.append(f"the model fits in one node of {node} GPUs: "
+                       + (f"its TP group stays inside a node and {where}" if tp > 1 else where))
+    else:   # it must span nodes: TP takes the node, PP crosses nodes, ZeRO-1 at most with a pipeline
+        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
+        layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
+                   if num_gpus % (node_tp * pp) == 0]
+        # ZeRO-1 whenever there is a dp axis: it costs no more traffic than DDP and leaves room for activations
+        found = [(m, s) for m in layouts for s in ((1,) if m.dp > 1 else (0,))
+                 if need_per_gpu(config, m, s, convention) <= budget]
+        groups = "one TP group" if node_tp == node else f"{node // node_tp} TP groups of {node_tp}"
+        if found:
+            mesh, stage = found[0]
+            answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node holds "
+                           f"{groups} (TP talks in every layer: it needs the node's fast links), PP={mesh.pp} "
+                           "crosses nodes, " + (f"ZeRO-1 over the dp group of {mesh.dp} (free: DDP's traffic)"
+                                                if mesh.dp > 1 else "no data parallelism left"))
+        elif first_fit(Mesh(dp=num_gpus // tp, tp=tp), (3,)) is not None:   # no pipeline fits: ZeRO-3 across nodes
+            mesh, stage = Mesh(dp=num_gpus // tp, tp=tp), 3
+            answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline with ZeRO-1 does: "
+                           f"ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes (1.5× DDP's traffic)")
+        else:
+            answers.append(f"no layout of {num_gpus} GPUs holds the state and one gathered layer")
+            return Plan(None, None, ladder[3], budget, answers)
+    return Plan(mesh, stage, need_per_gpu(config, mesh, stage, convention), budget, answers)
+
+
 def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | None = None,
                zero_stage: int = 0, config=None, gpu_bytes: int | None = None) -> list[str]:
     """The source's warnings against turning parallelism up like a speed knob, for one layout."""
     from .pipeline_parallel import bubble_fraction
 
     smells = []
-    if mesh.tp > gpus_per_node:
-        smells.append(f"TP {mesh.tp} > {gpus_per_node} GPUs per node: its 4 all-reduces per layer and micro-batch "
-                      "would cross the slow network between nodes")
+    if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
+        smells.append(f"TP {mesh.tp} does not fit in the nodes of {gpus_per_node} GPUs: its 4 all-reduces per layer "
+                      "and micro-batch would cross the slow network between nodes")
     if mesh.pp > 1 and num_microbatches is not None and num_microbatches < mesh.pp:
         smells.append(f"PP {mesh.pp} stages > {num_microbatches} micro-batches: the bubble is "
                       f"{bubble_fraction(mesh.pp, num_microbatches):.0%} of the step")
+    if mesh.pp > 1 and zero_stage >= 2:
+        smells.append(f"ZeRO-{zero_stage} with a pipeline: its gradients (and weights) would be reduced (and "
+                      "gathered) for every micro-batch; ZeRO-1 is the most a pipeline takes")
     if zero_stage == 3 and config is not None and gpu_bytes is not None:
         whole = zero_state_bytes(param_count_formula(config), 0, 1)["total"]
         if whole <= gpu_bytes:
-            smells.append(f"ZeRO-3 on a model whose whole state ({whole / GiB:.2f} GiB) fits on one GPU: 1.5× the "
+            smells.append(f"ZeRO-3 on a model whose whole state ({_size(whole)}) fits on one GPU: 1.5× the "
                           "traffic of DDP for memory that was not needed")
     return smells

@@ -22,6 +22,8 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
     parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
     parser.add_argument("--layers", type=int, help="number of layers (default: the tiny model's 4)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--backend", choices=("gloo", "nccl"),
+                        help="default: NCCL when every local rank has a GPU, else gloo")
     return parser
 
 

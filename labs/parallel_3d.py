@@ -3,7 +3,7 @@
     python labs/parallel_3d.py --world-size 8 --tp 2 --pp 2          # this CPU: 8 gloo ranks, dp = 8/(2·2) = 2
     torchrun --nproc-per-node 8 labs/parallel_3d.py --tp 2 --pp 2 --hidden 1024 --layers 8 --batch-size 32
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        labs/parallel_3d.py --tp 8 --pp 2 --hidden 4096 --layers 16 --batch-size 64 --microbatches 16
+        labs/parallel_3d.py --tp 8 --pp 2 --hidden 512 --layers 4 --batch-size 64 --microbatches 16
 
 Ranks are laid out as in course_lib/mesh.py: tp fastest (a TP group is consecutive ranks, inside a node), pp
 slowest (stages across nodes), dp between. Each step: this dp rank's share of the batch goes through the
@@ -11,9 +11,13 @@ pipeline (1F1B) in --microbatches micro-batches, with TP's all-reduces inside ev
 averaged over the dp group. The table has one row per rank: coordinates, parameters held, and the bytes it sent
 on each axis in the last step, traced, with the formula's (mesh.sent_bytes_per_rank) beside them; then the
 median step time. Results go to labs/results/parallel_3d.json and .png for notebook 06.
+The pipeline's sends and receives run on helper threads, which gloo allows and NCCL does not, so the lab runs on
+gloo by default, also on a GPU box (the ranks then compute on the CPU: the bytes are the same, the times are
+not a GPU's).
 """
 
 import json
+import math
 import statistics
 
 from common import lab_parser, model_overrides, reports
@@ -24,6 +28,7 @@ from course_lib.model import preset
 
 def main():
     parser = lab_parser(__doc__, world_size=8, steps=10)
+    parser.set_defaults(backend="gloo")   # pipeline_step's helper threads need gloo (see above)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (inside a node)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (across nodes)")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -33,7 +38,7 @@ def main():
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     mesh.check_model(config, batch_size=args.batch_size, num_microbatches=args.microbatches)   # before any rank
-    results = launch(train_3d, args.world_size, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
+    results = launch(train_3d, args.world_size, backend=args.backend, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
                      num_microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
                      seq_len=args.seq_len, lr=args.lr, progress=True, return_params=False, **overrides)
     if not reports():
@@ -50,7 +55,8 @@ def main():
         held = params_per_rank(config, mesh, c["pp"])
         print(f"{r['rank']:>4} {c['pp']:>3}{c['dp']:>3}{c['tp']:>3} {held:>12,}   " + "   ".join(
             f"{r['sent_bytes'][a] / 1024:>12,.1f} ({predicted[a] / 1024:>9,.1f})" for a in ("tp", "pp", "dp")))
-        assert r["sent_bytes"] == predicted, f"rank {r['rank']}: traced bytes differ from the formula"
+        assert all(math.isclose(r["sent_bytes"][a], predicted[a]) for a in predicted), \
+            f"rank {r['rank']}: traced bytes differ from the formula"
         assert r["state_bytes"]["weights"] == 4 * held, f"rank {r['rank']}: weights differ from params_per_rank"
         rows.append({**{k: r[k] for k in ("rank", "coords", "sent_bytes", "state_bytes", "ops", "step_seconds")},
                      "predicted_sent_bytes": predicted, "params_held": held})

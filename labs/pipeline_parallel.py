@@ -13,8 +13,10 @@ schedule (GPipe, 1F1B) and each number of micro-batches m, one training step run
   * with --real, also as fast as it goes: its step time.
 Small models are also checked against one process on the whole batch (loss). Prints a table, and writes
 labs/results/pipeline_parallel.json and .png (the bubble curve with the measurements, and one Gantt chart).
-Sends run from a helper thread per neighbour (see course_lib/pipeline_parallel.py): fine on gloo, untested
-under NCCL, where p2p calls from two threads on one communicator may need care.
+Sends and receives run on helper threads (see course_lib/pipeline_parallel.py), which gloo allows and NCCL does
+not (two threads on one NCCL communicator can deadlock), so this lab runs on gloo even on a GPU box (its ranks
+then compute on the CPU; the bubble is a property of the schedule, not of the device); pipeline_step refuses an
+NCCL group with an error rather than risk a hang.
 """
 
 import json
@@ -27,6 +29,7 @@ from course_lib.pipeline_parallel import Timeline, bubble_fraction, pipeline_swe
 
 def main():
     parser = lab_parser(__doc__, world_size=4, steps=3)
+    parser.set_defaults(backend="gloo")   # pipeline_step's helper threads need gloo (see above)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--op-ms", type=float, default=40.0, help="controlled cost of each forward and backward")
     parser.add_argument("--batch", type=int, help="rows per step (default: 2 × the largest micro-batch count)")
@@ -38,9 +41,9 @@ def main():
     runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.microbatches]
     common = dict(batch_size=batch, seq_len=args.seq_len, **overrides)
     weights = build(preset("tiny", **overrides), seed=0).state_dict()   # built once, copied by every rank
-    controlled = launch(pipeline_sweep, p, runs=runs, forward_ms=args.op_ms, steps=args.steps,
+    controlled = launch(pipeline_sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
                         measure_memory=True, weights=weights, **common)
-    real = launch(pipeline_sweep, p, runs=runs, steps=args.steps, weights=weights, **common) if args.real else None
+    real = launch(pipeline_sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, **common) if args.real else None
     if not reports():
         return
     reference = single_process_step(**common)[0] if overrides.get("hidden", 64) <= 256 else None

@@ -86,7 +86,7 @@ def main():
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison
-    results = launch(tensor_parallel_run, args.world_size, overrides=overrides, steps=args.steps,
+    results = launch(tensor_parallel_run, args.world_size, backend=args.backend, overrides=overrides, steps=args.steps,
                      batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference)
     if not reports():
         return

@@ -258,3 +258,20 @@ def test_the_exercise_checker_explains_gpipe_and_accepts_1f1b(capsys):
     assert not exercises.check_one_f_one_b(gpipe_actions)
     assert "that is GPipe" in capsys.readouterr().out
     assert exercises.check_one_f_one_b(one_f_one_b_actions)
+
+
+def _pipeline_step_on_a_group_that_says_nccl(rank, world_size):
+    import torch.distributed as dist
+
+    from course_lib.comm import Comm
+    from course_lib.pipeline_parallel import pipeline_step
+
+    dist.get_backend = lambda group=None: "nccl"   # no GPU here: only the refusal is under test
+    inputs = torch.zeros(2, 4, dtype=torch.long)
+    pipeline_step(make_stage(build(preset("tiny")), rank, partition_layers(4, 2)), Comm(), inputs, inputs,
+                  num_microbatches=1)
+
+
+def test_pipeline_step_refuses_nccl_instead_of_risking_a_hang():
+    with pytest.raises(RankError, match="gloo allows and NCCL does not"):
+        launch(_pipeline_step_on_a_group_that_says_nccl, 2, timeout=30)
