@@ -74,7 +74,8 @@ def main():
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of ours and torch's, MiB")
     args = parser.parse_args()
     overrides = model_overrides(args)
-    results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=3600, overrides=overrides, steps=args.steps,
+    results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=3600, overrides=overrides,
+                     steps=args.steps,
                      per_rank_batch=args.per_rank_batch, accumulation=args.accumulation, seq_len=args.seq_len,
                      lr=args.lr, bucket_bytes=int(args.bucket_mb * MiB))
     if not reports():

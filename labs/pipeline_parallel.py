@@ -43,7 +43,8 @@ def main():
     weights = build(preset("tiny", **overrides), seed=0).state_dict()   # built once, copied by every rank
     controlled = launch(pipeline_sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
                         measure_memory=True, weights=weights, **common)
-    real = launch(pipeline_sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, **common) if args.real else None
+    real = (launch(pipeline_sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, **common)
+            if args.real else None)
     if not reports():
         return
     reference = single_process_step(**common)[0] if overrides.get("hidden", 64) <= 256 else None

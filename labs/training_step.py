@@ -61,8 +61,8 @@ def main():
     parser.add_argument("--global-batch", type=int, default=16)
     args = parser.parse_args()
     overrides = model_overrides(args)
-    results = launch(data_parallel_training, args.world_size, backend=args.backend, overrides=overrides, steps=args.steps,
-                     global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr)
+    results = launch(data_parallel_training, args.world_size, backend=args.backend, overrides=overrides,
+                     steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr)
     if not reports():
         return
     run = results[0]

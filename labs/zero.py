@@ -46,7 +46,8 @@ def main():
     args = parser.parse_args()
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
-    per_rank = launch(every_run, args.world_size, backend=args.backend, config=config, steps=args.steps, per_rank_batch=args.per_rank_batch,
+    per_rank = launch(every_run, args.world_size, backend=args.backend, config=config, steps=args.steps,
+                      per_rank_batch=args.per_rank_batch,
                       seq_len=args.seq_len, lr=args.lr, timeout=3600)
     if not reports():
         return
