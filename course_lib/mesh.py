@@ -123,12 +123,9 @@ def make_comms(mesh: Mesh, rank: int) -> dict[str, Comm]:
 def layer_params(config, tp: int = 1) -> int:
     """Parameters of one transformer layer on one of ``tp`` ranks: its 7 matrices (and q/k/v biases, if any)
     split, its 2 norms whole."""
-    d, h = config.hidden, config.head_dim
-    q_width, kv_width = config.num_heads * h, config.num_kv_heads * h
-    split = 2 * d * q_width + 2 * d * kv_width + 3 * d * config.intermediate   # q, o, k, v, gate, up, down
-    if config.attn_bias:
-        split += q_width + 2 * kv_width
-    return split // tp + 2 * d
+    from .model import layer_projection_params
+
+    return layer_projection_params(config) // tp + 2 * config.hidden
 
 
 def params_per_rank(config, mesh: Mesh, stage: int) -> int:
@@ -182,6 +179,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     import time
 
     from .data import SyntheticTokens, shard
+    from .ddp import NaiveDDP
     from .launch import device
     from .ledger import measure_state_bytes
     from .model import build, preset
@@ -199,6 +197,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     if tp > 1:
         apply_tp(model, comms["tp"])
     stage = make_stage(model, where["pp"], partition_layers(config.num_layers, pp))
+    data_parallel = NaiveDDP(stage, comms["dp"])   # 02's gradient averaging, over this rank's dp group
     optimizer = torch.optim.Adam(stage.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     losses, seconds = [], []
@@ -213,9 +212,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
         with comms["tp"].trace() as tp_log, comms["pp"].trace() as pp_log, comms["dp"].trace() as dp_log:
             result = pipeline_step(stage, comms["pp"], inputs, targets, num_microbatches=num_microbatches,
                                    schedule=schedule, measure_memory=False)
-            for param in stage.parameters():   # the mean over the dp ranks' shares: the whole batch's gradient
-                comms["dp"].all_reduce(param.grad)
-                param.grad /= dp
+            data_parallel.finish_gradient_sync()   # the mean over the dp ranks' shares: the batch's gradient
         optimizer.step()
         if device().type == "cuda":
             torch.cuda.synchronize()

@@ -233,15 +233,21 @@ def count_params(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def param_count_formula(config: ModelConfig) -> int:
-    """The same count in closed form (see the module docstring); tested equal to count_params."""
+def layer_projection_params(config: ModelConfig) -> int:
+    """Parameters of one layer's projections: attention's q, k, v, o (and q/k/v biases) and the MLP's gate,
+    up, down. Everything in a layer but its two norms (what tensor parallelism splits)."""
     d, h = config.hidden, config.head_dim
     q_width, kv_width = config.num_heads * h, config.num_kv_heads * h
     attention = d * q_width + 2 * d * kv_width + q_width * d          # q, k, v, o weights
     if config.attn_bias:
         attention += q_width + 2 * kv_width                           # q, k, v biases
-    mlp = 3 * d * config.intermediate                                 # gate, up, down
+    return attention + 3 * d * config.intermediate                    # + gate, up, down
+
+
+def param_count_formula(config: ModelConfig) -> int:
+    """The same count in closed form (see the module docstring); tested equal to count_params."""
+    d = config.hidden
     norms = 2 * d                                                     # attn_norm, mlp_norm
     embed = config.vocab_size * d
     head = 0 if config.tie_embeddings else config.vocab_size * d
-    return embed + config.num_layers * (attention + mlp + norms) + d + head
+    return embed + config.num_layers * (layer_projection_params(config) + norms) + d + head
