@@ -125,7 +125,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         start = time.perf_counter()
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        self._record("all_reduce", _nbytes(tensor), start)
+        self._record("all_reduce", tensor.nbytes, start)
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -134,7 +134,7 @@ class Comm:
         _check_stacked("reduce_scatter", whole=input, part=output, size=self.size)
         start = time.perf_counter()
         work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
-        self._record("reduce_scatter", _nbytes(input), start)
+        self._record("reduce_scatter", input.nbytes, start)
         return work
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -142,7 +142,7 @@ class Comm:
         _check_stacked("all_gather", whole=output, part=input, size=self.size)
         start = time.perf_counter()
         work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-        self._record("all_gather", _nbytes(output), start)
+        self._record("all_gather", output.nbytes, start)
         return work
 
     def _global(self, rank: int) -> int:
@@ -153,27 +153,23 @@ class Comm:
         """``src`` is a rank of this Comm's group."""
         start = time.perf_counter()
         work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
-        self._record("broadcast", _nbytes(tensor), start)
+        self._record("broadcast", tensor.nbytes, start)
         return work
 
     def send(self, tensor: torch.Tensor, dst: int):
         """``dst`` is a rank of this Comm's group."""
         start = time.perf_counter()
         dist.send(tensor, dst=self._global(dst), group=self.group)
-        self._record("send", _nbytes(tensor), start)
+        self._record("send", tensor.nbytes, start)
 
     def recv(self, tensor: torch.Tensor, src: int):
         """``src`` is a rank of this Comm's group."""
         start = time.perf_counter()
         dist.recv(tensor, src=self._global(src), group=self.group)
-        self._record("recv", _nbytes(tensor), start)
+        self._record("recv", tensor.nbytes, start)
 
     def barrier(self):
         dist.barrier(group=self.group)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _check_stacked(op: str, whole: torch.Tensor, part: torch.Tensor, size: int) -> None:
@@ -216,8 +212,8 @@ def measure_bandwidth(comm: Comm, op: str = "all_reduce", sizes_bytes=(2**10, 2*
             if i >= warmup:
                 times.append(time.perf_counter() - start)
         seconds = sorted(times)[len(times) // 2]
-        algbw = full.numel() * 4 / seconds
-        rows.append({"op": op, "bytes": full.numel() * 4, "seconds": seconds, "algbw": algbw,
+        algbw = full.nbytes / seconds
+        rows.append({"op": op, "bytes": full.nbytes, "seconds": seconds, "algbw": algbw,
                      "busbw": algbw * BUS_FACTOR[op](comm.size)})
     return rows
 

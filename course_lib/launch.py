@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .workers import DEFAULT_TIMEOUT, RankError, RankTimeout, WorkerGroup, choose_backend
+from .workers import DEFAULT_TIMEOUT, RankError, RankTimeout, WorkerGroup, choose_backend, destroy_group
 
 __all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup", "DEFAULT_TIMEOUT"]
 
@@ -68,11 +68,6 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
     """Under torchrun this process *is* one rank: join (or reuse) its group and run ``fn`` here."""
     rank, env_world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,7 +82,7 @@ def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # reads env://
         # Left to interpreter exit, gloo's threads can abort the process ("terminate called without an
         # active exception", about one run in three here): tear the group down while Python still runs.
-        atexit.register(_destroy_group)
+        atexit.register(destroy_group)
     value = fn(rank, world_size, **kwargs)
     values = [None] * world_size
     dist.all_gather_object(values, value)  # every rank gets the full list, as in a notebook

@@ -30,6 +30,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 
 from .launch import DEFAULT_TIMEOUT
+from .workers import TICK_SECONDS
 from .world import World
 
 
@@ -48,7 +49,7 @@ def _rank_list(text: str) -> list[int]:
 class GroupedOutput:
     """Lines printed by each rank, shown as one block per rank and redrawn as they arrive."""
 
-    def __init__(self, ranks: list[int], refresh_seconds: float = 0.2):
+    def __init__(self, ranks: list[int], refresh_seconds: float = TICK_SECONDS):
         self.lines = {r: [] for r in ranks}
         self.display_id, self.refresh_seconds, self.last_draw, self.stale = None, refresh_seconds, 0.0, False
 

@@ -63,7 +63,7 @@ class RankTimeout(RankError):
 
 def choose_backend(backend: str | None, ranks_per_node: int) -> str:
     """gloo on CPU, NCCL when every local rank can have a GPU of its own; an explicit choice wins."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()   # 0 without CUDA
     if backend is None:
         return "nccl" if gpus >= ranks_per_node else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -71,8 +71,6 @@ def choose_backend(backend: str | None, ranks_per_node: int) -> str:
     if backend == "nccl" and gpus < ranks_per_node:
         raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks_per_node} ranks, {gpus} GPUs visible")
     return backend
-
-
 
 
 def _context():
@@ -142,17 +140,25 @@ class WorkerGroup:
 
         Raises the earliest :class:`RankError` as soon as a rank fails, or :class:`RankTimeout`.
         """
-        ranks = list(range(self.world_size)) if ranks is None else sorted(ranks)
+        ranks = self.select(ranks)
         self.submit(fn, kwargs, ranks)
         replies = self.collect(ranks, timeout=timeout, stop_at_error=True)
         hung = [r for r in ranks if r not in replies]
-        errors = [reply for reply in replies.values() if reply[0] == "error"]
+        errors = [reply[1] for reply in replies.values() if reply[0] == "error"]
         if errors:
-            raise min(errors, key=lambda reply: reply[1])[2]  # the earliest error is the cause
+            raise min(errors, key=lambda err: err.when)  # the earliest error is the cause
         if hung:
             raise RankTimeout(hung, timeout, self.stacks_of(hung))
         self._busy = False
         return [replies[r][1] for r in ranks]
+
+    def select(self, ranks: list[int] | None) -> list[int]:
+        """``ranks`` sorted, each once (default: every rank); a ValueError for ranks this group does not have."""
+        ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"ranks {bad} do not exist: this world has ranks 0..{self.world_size - 1}")
+        return ranks
 
     def submit(self, fn: Callable, kwargs: dict | None, ranks: list[int]) -> None:
         """Send ``fn(rank, world_size, **kwargs)`` to ``ranks``; ``collect`` gathers the replies."""
@@ -166,7 +172,7 @@ class WorkerGroup:
     def collect(self, ranks: list[int], *, timeout: float, stop_at_error: bool) -> dict:
         """Wait for the replies of ``ranks``, relaying their output meanwhile.
 
-        Returns {rank: ("ok", value) or ("error", when, RankError)} for the ranks that replied: all of them,
+        Returns {rank: ("ok", value) or ("error", RankError)} for the ranks that replied: all of them,
         or fewer if ``timeout`` ran out or (with ``stop_at_error``) once a rank failed.
         """
         replies = {}
@@ -198,18 +204,18 @@ class WorkerGroup:
         return replies
 
     def _receive(self, rank):
-        """Read the reply of ``rank``: ("ok", value), or ("error", when it happened, RankError)."""
+        """Read the reply of ``rank``: ("ok", value), or ("error", RankError) (``.when`` it happened)."""
         try:
             kind, *payload = cloudpickle.loads(self.conns[rank].recv_bytes())
         except (EOFError, OSError):  # the process is gone without a word
             self.procs[rank].join(timeout=1)
             code = _describe_exit(self.procs[rank].exitcode)
             # A silent death comes before the errors it causes in its peers: rank it first (time 0).
-            return "error", 0.0, RankError(rank, f"the process died (exit code {code}) without reporting an error")
+            return "error", RankError(rank, f"the process died (exit code {code}) without reporting an error", when=0.0)
         if kind == "ok":
             return "ok", payload[0]
         when, summary, tb = payload
-        return "error", when, RankError(rank, summary, _name_cells(tb), when)
+        return "error", RankError(rank, summary, _name_cells(tb), when)
 
     def stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """Ask each hung rank to print its Python stack (faulthandler on SIGUSR1) and collect the text."""
@@ -235,7 +241,7 @@ class WorkerGroup:
             while True:
                 try:
                     chunk = os.read(fd, 65536)
-                except (BlockingIOError, OSError):
+                except OSError:  # BlockingIOError included
                     break
                 if not chunk:  # the rank closed its end: it has exited
                     del self._outputs[fd]
@@ -254,8 +260,7 @@ class WorkerGroup:
 
     def close(self):
         """Stop every worker and everything it started; safe to call twice."""
-        old = _ignore_sigint()  # a second press of Jupyter's stop button must not leave orphans
-        try:
+        with sigint_ignored():  # a second press of Jupyter's stop button must not leave orphans
             for conn in self.conns:
                 conn.close()  # a worker waiting for a task sees EOF and exits by itself
             end = time.monotonic() + (0.0 if self._busy else 1.0)  # a busy one (error, interrupt) is killed
@@ -268,8 +273,6 @@ class WorkerGroup:
             for _, _, reader in self._outputs.values():
                 reader.close()
             self._outputs.clear()
-        finally:
-            _restore_sigint(old)
 
 
 @contextlib.contextmanager
@@ -307,16 +310,24 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def _ignore_sigint():
+@contextlib.contextmanager
+def sigint_ignored():
+    """Ctrl-C (Jupyter's stop button) is ignored inside the block: for cleanups that must not be cut short."""
     try:
-        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread: signals are not ours to change
-        return None
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
-def _restore_sigint(old):
-    if old is not None:
-        signal.signal(signal.SIGINT, old)
+def destroy_group() -> None:
+    """Leave this process's group, if it has one: its connections close, so peers waiting on it fail at once."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -410,8 +421,7 @@ def _worker_main(rank, world_size, backend, store_port, threads, exit_after_erro
                 os._exit(1)  # closing our sockets makes peers blocked in a collective fail fast
             continue
         _send_uninterrupted(conn, reply)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_group()
 
 
 def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:

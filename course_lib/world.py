@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .workers import (DEFAULT_TIMEOUT, PLUMBING_FILES, RankError, RankTimeout, WorkerGroup, _ignore_sigint,
-                      _restore_sigint, init_group)
+from .workers import (DEFAULT_TIMEOUT, PLUMBING_FILES, RankError, RankTimeout, WorkerGroup, destroy_group,
+                      init_group, sigint_ignored)
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
@@ -103,10 +103,7 @@ class World:
         fraction of a second while the ranks work (to redraw, say). Rich outputs (``display(x)``,
         matplotlib figures) are kept from the lowest rank that ran. Never hangs: see the module docstring.
         """
-        ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
-        bad = [r for r in ranks if not 0 <= r < self.world_size]
-        if bad:
-            raise ValueError(f"ranks {bad} do not exist: this world has ranks 0..{self.world_size - 1}")
+        ranks = self.group.select(ranks)
         compile(code, filename, "exec")  # a syntax error is the notebook's, before any rank runs anything
         relay = self.group.on_output
         self.group.on_output, self.group.on_tick = on_output or relay, on_tick
@@ -118,7 +115,7 @@ class World:
 
     def run(self, fn, *, ranks: list[int] | None = None, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         """Run ``fn(rank, world_size, **kwargs)`` on the live ranks (their processes and group are kept)."""
-        ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
+        ranks = self.group.select(ranks)
         self.group.submit(fn, kwargs, ranks)
         outcome = self._finish(ranks, timeout)
         if outcome.error:
@@ -155,14 +152,11 @@ class World:
                 replies.update(self.group.collect(self._missing(ranks, replies), timeout=GRACE, stop_at_error=False))
         except KeyboardInterrupt:  # the stop button: interrupt the ranks too
             interrupted = True
-        old = _ignore_sigint()  # a second press must not leave the world half repaired
-        try:
+        with sigint_ignored():  # a second press must not leave the world half repaired
             stuck = self._missing(ranks, replies)
             if stuck and not interrupted and not failed():  # nobody failed, yet some never finished
                 timeout_error = RankTimeout(stuck, timeout, self.group.stacks_of(stuck))
             outcome = self._repair(ranks, replies, interrupt_first=bool(stuck) and not failed())
-        finally:
-            _restore_sigint(old)
         outcome.timeout = timeout_error
         if interrupted:
             raise Interrupted(f"the ranks were interrupted; the world {outcome.world}"
@@ -244,7 +238,7 @@ class World:
                 else:
                     results.append(RankResult(r, value))
             elif kind == "error":
-                results.append(RankResult(r, error=payload[1]))
+                results.append(RankResult(r, error=payload[0]))
             else:
                 results.append(RankResult(r, error=RankError(r, "did not finish", when=float("inf"))))
         return results
@@ -254,7 +248,7 @@ def _is_group_failure(reply) -> bool:
     """A collective that failed because a peer left: the group is broken and must be rebuilt."""
     if reply[0] != "error":
         return False
-    text = str(reply[2])
+    text = str(reply[1])
     return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                                          "NCCL communicator was aborted", "has been destroyed", "not been initialized"))
 
@@ -322,8 +316,7 @@ def _set_variables(rank, world_size, values):
 
 def _leave_group(rank, world_size):
     """Close this rank's connections so that peers blocked in a collective with it fail at once."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_group()
 
 
 def _rejoin_group(rank, world_size, backend, store_port, generation):

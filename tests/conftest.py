@@ -9,17 +9,37 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _running(process: psutil.Process) -> bool:
+    """Alive and not a zombie; a process that exits while we look is not running."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_kept(process: psutil.Process) -> bool:
+    try:
+        return any(name in " ".join(process.cmdline()) for name in ("forkserver", "resource_tracker"))
+    except psutil.NoSuchProcess:
+        return True   # gone already: not a leftover
+
+
 def workers_left() -> list[psutil.Process]:
     """Descendants of this process, except multiprocessing's forkserver and resource tracker (kept up)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and not any(name in " ".join(p.cmdline()) for name in ("forkserver", "resource_tracker"))]
+    return [p for p in psutil.Process().children(recursive=True) if _running(p) and not _is_kept(p)]
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
 
 
 def gone(pids, within: float = 10) -> bool:
     """Wait until none of ``pids`` is running (a zombie counts as gone)."""
     deadline = time.monotonic() + within
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    while any(_pid_running(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)

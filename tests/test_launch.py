@@ -6,17 +6,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import gone, run_cell, wait_for_pids
+from conftest import REPO, gone, run_cell, wait_for_pids
 
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def rank_sum(rank, world_size, offset=0):
