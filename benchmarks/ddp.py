@@ -18,10 +18,10 @@ import torch
 from course_lib import launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
-from course_lib.ddp import MiB, micro_batches, train_step, wrap
-from course_lib.model import build, count_params, preset
+from course_lib.ddp import DDP_KINDS, MiB, micro_batches, train_step, wrap
+from course_lib.model import build, count_params, preset, widened
 
-KINDS = ("naive", "bucketed", "torch")
+KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 
 
 def interleaved_steps(rank, world_size, *, config, steps, warmup, bucket_bytes, per_rank_batch, seq_len):
@@ -55,8 +55,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    config = preset("tiny", hidden=args.hidden, num_layers=args.layers, num_heads=args.hidden // 8,
-                    num_kv_heads=args.hidden // 16, intermediate=2 * args.hidden)
+    config = preset("tiny", num_layers=args.layers, **{**widened(args.hidden), "intermediate": 2 * args.hidden})
     params = count_params(config)
     print(f"model: hidden {args.hidden}, {args.layers} layers, {params:,} parameters = {4 * params / MiB:.1f} MiB "
           f"of fp32 gradients; buckets {args.bucket_mb} MiB; per-rank batch {args.per_rank_batch} × "

@@ -52,7 +52,6 @@ def ours_vs_torch(rank, world_size, *, weights, steps, num_microbatches):
 
     from course_lib.model import loss_fn
 
-    torch.manual_seed(0)
     parts = partition_layers(4, world_size)
     stages = []
     for _ in range(2):

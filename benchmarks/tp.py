@@ -14,7 +14,6 @@ The last line is the ratio at TP = 2: below 1 means ours is faster.
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
@@ -22,16 +21,8 @@ import torch
 from course_lib import launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
-from course_lib.model import build, loss_fn, preset
-from course_lib.tensor_parallel import apply_tp, dtensor_plan
-
-
-def fwd_bwd_seconds(model, inputs, targets) -> float:
-    start = time.perf_counter()
-    loss_fn(model(inputs), targets).backward()
-    seconds = time.perf_counter() - start
-    model.zero_grad(set_to_none=True)
-    return seconds
+from course_lib.model import build, preset, widened
+from course_lib.tensor_parallel import apply_tp, dtensor_plan, step_seconds
 
 
 def ours_and_dtensor(rank, world_size, *, hidden, layers, batch_size, seq_len, repeats, warmup):
@@ -40,8 +31,7 @@ def ours_and_dtensor(rank, world_size, *, hidden, layers, batch_size, seq_len, r
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)    # one core per rank, as one GPU per rank
-    config = preset("tiny", hidden=hidden, num_layers=layers, num_heads=hidden // 8, num_kv_heads=hidden // 16,
-                    intermediate=3 * hidden)
+    config = preset("tiny", num_layers=layers, **widened(hidden))
     comm = Comm()
     ours = apply_tp(build(config, seed=0), comm)
     theirs = build(config, seed=0)
@@ -51,7 +41,7 @@ def ours_and_dtensor(rank, world_size, *, hidden, layers, batch_size, seq_len, r
     for i in range(warmup + repeats):
         for name, model in (("ours", ours), ("dtensor", theirs)):
             comm.barrier()
-            seconds = fwd_bwd_seconds(model, inputs, targets)
+            seconds = step_seconds(model, inputs, targets, repeats=1, warmup=0)["seconds"]
             if i >= warmup:
                 times[name].append(seconds)
     return {name: statistics.median(values) for name, values in times.items()}

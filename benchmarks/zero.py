@@ -25,7 +25,7 @@ import torch
 
 from course_lib import launch
 from course_lib.data import SyntheticTokens
-from course_lib.model import build, loss_fn, preset
+from course_lib.model import build, count_params, loss_fn, preset, widened
 from course_lib.zero import default_units, train
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("ddp", 0), ("zero_redundancy", 1), ("fully_shard", 3)]
@@ -90,11 +90,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps per run, the first one warm-up")
     args = parser.parse_args()
-    config = preset("tiny", hidden=args.hidden, num_layers=args.layers, num_heads=args.hidden // 8,
-                    num_kv_heads=args.hidden // 16, intermediate=3 * args.hidden, max_seq_len=args.seq_len)
+    config = preset("tiny", num_layers=args.layers, max_seq_len=args.seq_len, **widened(args.hidden))
     per_rank = launch(every_run, args.world_size, config=config, rounds=args.rounds, steps=args.steps,
                       per_rank_batch=args.per_rank_batch, seq_len=args.seq_len, timeout=1200)
-    params = sum(p.numel() for p in build(config).parameters())
+    params = count_params(config)
     print(f"{args.world_size} ranks (gloo, 1 thread each), {params:,} parameters (hidden {args.hidden}, "
           f"{args.layers} layers), {args.per_rank_batch} x {args.seq_len} tokens per rank, fp32 Adam; "
           f"median of {args.rounds} rounds x {args.steps - 1} steps\n")

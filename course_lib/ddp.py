@@ -32,6 +32,7 @@ Three implementations, in the order the notebook builds them (all share ``no_syn
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -40,9 +41,8 @@ import torch.nn as nn
 from .comm import Comm
 from .data import SyntheticTokens, shard
 from .launch import device
+from .ledger import MiB
 from .model import build, loss_fn, preset
-
-MiB = 2**20
 
 
 def broadcast_parameters(module: nn.Module, comm: Comm, src: int = 0) -> None:
@@ -122,7 +122,7 @@ class NaiveDDP(_DataParallel):
                                    "take part in the loss on every rank (or the ranks disagree on what to send)")
             issued = time.perf_counter()
             self.comm.all_reduce(param.grad)            # the sum over ranks, in place, on every rank
-            self._record(i, param.grad.numel() * param.grad.element_size(), issued)
+            self._record(i, param.grad.nbytes, issued)
             param.grad /= self.comm.size                # the mean
 
 
@@ -134,7 +134,7 @@ class BucketedDDP(_DataParallel):
         params = [p for p in module.parameters() if p.requires_grad]
         self.bucket_bytes = bucket_bytes
         self.buckets = [[params[i] for i in indices]
-                        for indices in bucket_indices([p.numel() * p.element_size() for p in params], bucket_bytes)]
+                        for indices in bucket_indices([p.nbytes for p in params], bucket_bytes)]
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)     # gradients ready in each bucket during this backward
         self._in_flight: list[tuple[torch.Tensor, object, dict | None]] = []   # (flat buffer, work, record)
@@ -161,7 +161,7 @@ class BucketedDDP(_DataParallel):
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[b]]).div_(self.comm.size)
         issued = time.perf_counter()
         work = self.comm.all_reduce(flat, async_op=True)
-        self._in_flight.append((flat, work, self._record(b, flat.numel() * flat.element_size(), issued, work)))
+        self._in_flight.append((flat, work, self._record(b, flat.nbytes, issued, work)))
 
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's all-reduce and copy the averaged gradients back into ``param.grad``."""
@@ -344,13 +344,13 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
             record["spread"] = replica_spread(model, comm)
         records.append(record)
     return {"steps": records, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(),
-            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "grad_bytes": sum(p.nbytes for p in model.parameters())}
 
 
 def phase_seconds(steps_by_rank: list[list[dict]], skip: int = 1) -> dict[str, float]:
     """Median seconds of each phase of a step, over every rank's steps but the first ``skip`` (warm-up)."""
     records = [s for steps in steps_by_rank for s in steps[skip:]] or [s for steps in steps_by_rank for s in steps]
-    median = lambda values: sorted(values)[len(values) // 2]   # noqa: E731
+    median = statistics.median_high   # the upper middle value: a real step's time, not an average of two
     return {"compute": median([s["backward"] - s["start"] for s in records]),
             "exposed communication": median([s["synced"] - s["backward"] for s in records]),
             "optimizer": median([s["end"] - s["synced"] for s in records]),

@@ -312,7 +312,7 @@ def check_3d_layout(layout) -> bool:
     dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
     into dp shares of num_microbatches equal micro-batches; no bad smell (plan.bad_smells: TP across nodes,
     ZeRO-2/3 with a pipeline); the training state fits (plan.need_per_gpu); the bubble stays under 20%."""
-    from .ledger import GiB
+    from .ledger import ZERO_STAGES, GiB
     from .mesh import Mesh
     from .model import preset
     from .pipeline_parallel import bubble_fraction
@@ -332,7 +332,7 @@ def check_3d_layout(layout) -> bool:
     except (KeyError, TypeError, ValueError) as err:
         print(f"✗ {type(err).__name__}: {err}")
         return False
-    if stage not in (0, 1, 2, 3):
+    if stage not in ZERO_STAGES:
         print(f"✗ zero_stage={stage!r}: one of 0 (DDP), 1, 2, 3")
         return False
     smells = [s for s in bad_smells(mesh, gpus_per_node=gpus_per_node, zero_stage=stage) if "ZeRO-3 on a" not in s]

@@ -138,6 +138,11 @@ def _count(name: str, value, minimum: int = 0) -> int:
     return int(value)
 
 
+def check_zero_stage(stage) -> None:
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+
+
 def zero_state_bytes(num_params, stage: int, world_size: int, weight_bytes: int = 2, grad_bytes: int = 2,
                      optimizer_bytes: int = 12) -> dict[str, int]:
     """Bytes of training state on one rank: {"weights", "grads", "optimizer", "total"}.
@@ -148,8 +153,7 @@ def zero_state_bytes(num_params, stage: int, world_size: int, weight_bytes: int 
     num_params. Defaults are mixed-precision Adam (2 + 2 + 12); CONVENTIONS lists others.
     """
     num_params = _count("num_params", num_params)
-    if stage not in ZERO_STAGES or isinstance(stage, bool):
-        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+    check_zero_stage(stage)
     world_size = _count("world_size", world_size, minimum=1)
     per_param = {"weights": _count("weight_bytes", weight_bytes), "grads": _count("grad_bytes", grad_bytes),
                  "optimizer": _count("optimizer_bytes", optimizer_bytes)}

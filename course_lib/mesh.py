@@ -23,12 +23,21 @@ over the DP group. Each rank holds 1/(tp·pp) of the layers' weights (``params_p
 
 from __future__ import annotations
 
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from .comm import Comm, wire_bytes
+from .data import SyntheticTokens, shard
+from .ddp import NaiveDDP
+from .launch import device
+from .ledger import measure_state_bytes
+from .model import build, layer_projection_params, loss_fn, preset
+from .pipeline_parallel import make_stage, partition_layers, pipeline_step
+from .tensor_parallel import apply_tp, check_tp_divisible, dtensor_plan, tp_allreduce_bytes
 
 AXES = ("pp", "dp", "tp")   # slowest to fastest: the order of the coordinates, and of Mesh.grid()'s dims
 
@@ -64,8 +73,6 @@ class Mesh:
 
     def check_model(self, config, *, batch_size: int | None = None, num_microbatches: int | None = None) -> None:
         """Errors for a model or batch this mesh cannot split, naming the numbers and the rule."""
-        from .tensor_parallel import check_tp_divisible
-
         check_tp_divisible(config, self.tp)
         if self.pp > config.num_layers:
             raise ValueError(f"pp {self.pp} stages > {config.num_layers} layers: every stage needs at least one layer")
@@ -123,8 +130,6 @@ def make_comms(mesh: Mesh, rank: int) -> dict[str, Comm]:
 def layer_params(config, tp: int = 1) -> int:
     """Parameters of one transformer layer on one of ``tp`` ranks: its 7 matrices (and q/k/v biases, if any)
     split, its 2 norms whole."""
-    from .model import layer_projection_params
-
     return layer_projection_params(config) // tp + 2 * config.hidden
 
 
@@ -133,8 +138,6 @@ def params_per_rank(config, mesh: Mesh, stage: int) -> int:
     projection of attention and MLP), its layers' norms whole, plus the embedding on the first stage and the
     final norm and head on the last (none of which TP splits here). Exact for the course model; a tied head is
     the embedding itself when one stage holds both, and a copy of it on the last stage otherwise."""
-    from .pipeline_parallel import partition_layers
-
     count = len(partition_layers(config.num_layers, mesh.pp)[stage]) * layer_params(config, mesh.tp)
     if stage == 0:
         count += config.vocab_size * config.hidden
@@ -155,13 +158,12 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
       previous stage (not from the first);
     * dp: one all-reduce of this rank's gradients, 2(dp-1)/dp · params_per_rank · bytes.
     """
-    from .pipeline_parallel import partition_layers
-
-    activation = batch_size // mesh.dp // num_microbatches * seq_len * config.hidden * bytes_per_element
+    activation = tp_allreduce_bytes(batch_size // mesh.dp // num_microbatches, seq_len, config.hidden,
+                                    bytes_per_element)
     layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
-    tp = 4 * layers * num_microbatches * 2 * (mesh.tp - 1) / mesh.tp * activation
+    tp = 4 * layers * num_microbatches * wire_bytes("all_reduce", activation, mesh.tp)
     pp = num_microbatches * activation * ((stage < mesh.pp - 1) + (stage > 0))
-    dp = 2 * (mesh.dp - 1) / mesh.dp * params_per_rank(config, mesh, stage) * bytes_per_element
+    dp = wire_bytes("all_reduce", params_per_rank(config, mesh, stage) * bytes_per_element, mesh.dp)
     return {"tp": tp, "pp": pp, "dp": dp}
 
 
@@ -176,16 +178,6 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     pieces. Returns this rank's coordinates, its losses (last stage only), its parameters, its measured state
     bytes, the bytes it sent on each axis in the last step (and how many ops), and each step's seconds.
     ``progress``: a tqdm bar on rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
-    import time
-
-    from .data import SyntheticTokens, shard
-    from .ddp import NaiveDDP
-    from .launch import device
-    from .ledger import measure_state_bytes
-    from .model import build, preset
-    from .pipeline_parallel import make_stage, partition_layers, pipeline_step
-    from .tensor_parallel import apply_tp
-
     mesh = Mesh(dp=dp, tp=tp, pp=pp)
     mesh.check(world_size)
     config = preset("tiny", **overrides)
@@ -253,16 +245,9 @@ def train_torch_2d(rank: int, world_size: int, *, dp: int = 2, tp: int = 2, step
     """torch's own 2-D version, for comparison: DTensor TP (``parallelize_module``) inside each TP group and
     FSDP2 (``fully_shard``, i.e. ZeRO-3) over the DP groups of a ``init_device_mesh`` ("dp", "tp") mesh. Returns
     the whole batch's loss at each step."""
-    import warnings
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from .data import SyntheticTokens, shard
-    from .launch import device
-    from .model import build, loss_fn, preset
-    from .tensor_parallel import dtensor_plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's reduce_scatter/all_gather notices
     config = preset("tiny")

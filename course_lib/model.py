@@ -184,6 +184,8 @@ def build(config: ModelConfig, seed: int = 0, device=None, dtype=None) -> GPT:
         model = GPT(config)
     if device is None or torch.device(device).type != "meta":
         model.to_empty(device="cpu")
+        if config.tie_embeddings:   # to_empty gives each module its own new tensor: tie them again
+            model.head.weight = model.embed.weight
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * config.num_layers)
         with torch.no_grad():
@@ -197,8 +199,6 @@ def build(config: ModelConfig, seed: int = 0, device=None, dtype=None) -> GPT:
                 else:
                     param.normal_(0.0, 0.02, generator=generator)
     model.to(device=device, dtype=dtype)
-    if config.tie_embeddings:   # to_empty gives each module its own new tensor: tie them again
-        model.head.weight = model.embed.weight
     return model
 
 
@@ -223,6 +223,13 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def widened(hidden: int) -> dict:
+    """Overrides that make the tiny model ``hidden`` wide in its own proportions: heads of 8 channels, 2 query
+    heads per key/value head, an MLP 3× as wide (so every width divisible by 16 splits over TP = 2, 4, 8).
+    Use as preset("tiny", **widened(1024))."""
+    return {"hidden": hidden, "num_heads": hidden // 8, "num_kv_heads": hidden // 16, "intermediate": 3 * hidden}
 
 
 def count_params(config: ModelConfig) -> int:

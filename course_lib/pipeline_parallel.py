@@ -346,7 +346,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     batch's inputs and targets (the first stage reads the inputs, the last the targets). Returns {"rank",
     "events", "in_flight", "overruns", "loss" (the batch's mean loss, on the last stage; else None), "t0" (this
     rank's perf_counter at the step's start: event times are relative to it)}."""
-    if torch.distributed.get_backend(comm.group) == "nccl":
+    if comm.size > 1 and torch.distributed.get_backend(comm.group) == "nccl":   # one stage: no helper threads
         # Two threads issuing sends and receives on one NCCL communicator can deadlock (NCCL orders them on
         # one stream; a send waits for a receive queued behind the other side's send). Say so, do not hang.
         raise RuntimeError("pipeline_step sends and receives on helper threads, which gloo allows and NCCL does "

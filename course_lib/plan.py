@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .ledger import CONVENTIONS, GiB, MiB, zero_state_bytes
 from .mesh import Mesh, layer_params, params_per_rank
 from .model import param_count_formula
+from .pipeline_parallel import bubble_fraction
 from .tensor_parallel import check_tp_divisible
 
 
@@ -50,7 +51,7 @@ class Plan:
             head = "does not fit" + (f": at least {self.min_gpus} GPUs" if self.min_gpus else "")
         else:
             m = self.mesh
-            name = "no data parallelism" if m.dp == 1 else _stage_name(self.zero_stage) + " over dp"
+            name = "no data parallelism" if m.dp == 1 else stage_name(self.zero_stage) + " over dp"
             head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {_size(self.state_bytes)} per GPU"
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
 
@@ -59,7 +60,7 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
 
 
-def _stage_name(stage: int) -> str:
+def stage_name(stage: int) -> str:
     return "DDP" if stage == 0 else f"ZeRO-{stage}"
 
 
@@ -105,7 +106,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
 
     # 1. The state: the DDP / ZeRO ladder over every GPU.
     ladder = {s: state_per_gpu(config, Mesh(dp=num_gpus), s, convention)["total"] for s in range(4)}
-    rungs = ", ".join(f"{_stage_name(s)} {_size(n)}" for s, n in ladder.items())
+    rungs = ", ".join(f"{stage_name(s)} {_size(n)}" for s, n in ladder.items())
     stage = next((s for s, n in ladder.items() if n <= budget), None)
     if stage is None:
         whole = CONVENTIONS[convention].total * param_count_formula(config)
@@ -113,7 +114,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
                        f"{_size(whole)} of state needs at least {math.ceil(whole / budget)} such GPUs")
         return Plan(None, None, ladder[3], budget, answers, math.ceil(whole / budget))
     answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {_size(budget)}: "
-                   f"{_stage_name(stage)}")
+                   f"{stage_name(stage)}")
 
     # 2. One layer: with ZeRO-3 it is gathered whole beside the shards; split it (TP, in a node) if it does not fit.
     layer = gathered_layer_bytes(config, 1, convention)
@@ -163,8 +164,6 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
 def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | None = None,
                zero_stage: int = 0, config=None, gpu_bytes: int | None = None) -> list[str]:
     """The source's warnings against turning parallelism up like a speed knob, for one layout."""
-    from .pipeline_parallel import bubble_fraction
-
     smells = []
     if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
         smells.append(f"TP {mesh.tp} does not fit in the nodes of {gpus_per_node} GPUs: its 4 all-reduces per layer "

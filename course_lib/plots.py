@@ -324,11 +324,13 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
 def bubble_curves(measured: dict[int, dict[int, float]], *, max_microbatches: int = 64, title: str | None = None):
     """The bubble (p-1)/(m+p-1) against m for each p of ``measured`` (p → {m: measured bubble}), as a line,
     with the measured bubbles as dots on it; m on a log axis."""
+    from .pipeline_parallel import bubble_fraction
+
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     ms = [m for m in range(1, max_microbatches + 1)]
     for i, (p, points) in enumerate(sorted(measured.items())):
         color = f"C{i}"
-        ax.plot(ms, [100 * (p - 1) / (m + p - 1) for m in ms], "-", color=color, lw=1.5, alpha=0.7,
+        ax.plot(ms, [100 * bubble_fraction(p, m) for m in ms], "-", color=color, lw=1.5, alpha=0.7,
                 label=f"p = {p}: (p−1)/(m+p−1)")
         ax.plot(list(points), [100 * b for b in points.values()], "o", color=color, ms=6,
                 markeredgecolor="black", label=f"p = {p}: measured")

@@ -147,10 +147,9 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
 # ---- 04 · tensor parallelism --------------------------------------------------------------------------
 
 def tp_speed_config(hidden: int, num_layers: int = 2):
-    """The tiny model made wider: heads of 8 channels, 2 query heads per key/value head, an MLP 3× as wide."""
-    from .model import preset
-    return preset("tiny", hidden=hidden, num_layers=num_layers, num_heads=hidden // 8, num_kv_heads=hidden // 16,
-                  intermediate=3 * hidden)
+    """The tiny model made wider, in its own proportions (model.widened)."""
+    from .model import preset, widened
+    return preset("tiny", num_layers=num_layers, **widened(hidden))
 
 
 def _tp_vs_one_rank(rank, world_size, hiddens, num_layers, batch_size, seq_len, repeats):
@@ -403,7 +402,7 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     panel = widgets.VBox([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "hidden", "layers", "gpu")]),
                                         widgets.VBox([controls[k] for k in ("stage", "ranks", "convention")])]),
                           out])
-    names = {0: "stage 0 (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+    names = plots.ZERO_STAGE_NAMES
 
     def show(_=None):
         name = controls["model"].value
@@ -445,9 +444,9 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gp
     over all the GPUs and of the chosen layout, against the card, and the layout's bad smells, if any."""
     from .ledger import GiB
     from .mesh import Mesh
-    from .plan import bad_smells, plan, state_per_gpu
+    from .plan import bad_smells, plan, stage_name, state_per_gpu
 
-    configs = {name: config for name, config in _explorer_configs().items() if name != "custom"}
+    configs = _explorer_configs()
     controls = {
         "model": widgets.Dropdown(options=list(configs), value=model, description="model"),
         "gpus": widgets.SelectionSlider(options=list(PLAN_GPUS), value=num_gpus, description="GPUs"),
@@ -470,11 +469,11 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gp
                 out.clear_output(wait=True)
                 print(err)
             return
-        rows = {("DDP" if s == 0 else f"ZeRO-{s}") + f" over {n}": state_per_gpu(config, Mesh(dp=n), s)
+        rows = {f"{stage_name(s)} over {n}": state_per_gpu(config, Mesh(dp=n), s)
                 for s in range(4)}
         if panel.plan.fits:
             m = panel.plan.mesh
-            rows[f"plan: dp{m.dp}×tp{m.tp}×pp{m.pp}, ZeRO-{panel.plan.zero_stage}"] = state_per_gpu(
+            rows[f"plan: dp{m.dp}×tp{m.tp}×pp{m.pp}, {stage_name(panel.plan.zero_stage)}"] = state_per_gpu(
                 config, m, panel.plan.zero_stage)
         with out:
             out.clear_output(wait=True)

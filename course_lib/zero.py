@@ -44,10 +44,10 @@ import time
 import torch
 import torch.nn as nn
 
-from .comm import Comm
-from .ledger import MixedPrecisionAdam, measure_state_bytes
+from .comm import Comm, wire_bytes
+from .ledger import ZERO_STAGES, MixedPrecisionAdam, check_zero_stage, measure_state_bytes
 
-STAGES = (0, 1, 2, 3)
+STAGES = ZERO_STAGES
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -69,10 +69,10 @@ def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] 
 
 def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int) -> dict[str, float]:
     """Bytes one rank sends per step, by op, on a ring of world_size ranks (the module docstring's table)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
-    share = grad_bytes * (world_size - 1) / world_size          # one reduce-scatter, or one all-gather
-    return {0: {"all_reduce": 2 * share}, 1: {"reduce_scatter": share, "all_gather": share},
+    check_zero_stage(stage)
+    share = wire_bytes("reduce_scatter", grad_bytes, world_size)   # one reduce-scatter, or one all-gather
+    return {0: {"all_reduce": wire_bytes("all_reduce", grad_bytes, world_size)},
+            1: {"reduce_scatter": share, "all_gather": share},
             2: {"reduce_scatter": share, "all_gather": share},
             3: {"all_gather": 2 * share, "reduce_scatter": share}}[stage]
 
@@ -110,7 +110,7 @@ class _Unit:
         self.full.untyped_storage().resize_(0)    # every view of the buffer (the module's weights) loses its memory
 
     def gather(self, shard: torch.Tensor, comm: Comm):
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.full.untyped_storage().resize_(self.full.nbytes)
         comm.all_gather(self.full, shard.detach())
 
 
@@ -131,8 +131,7 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm: Comm, stage: int, optimizer_class=MixedPrecisionAdam,
                  units: list[nn.Module] | None = None, **optimizer_kwargs):
         super().__init__()
-        if stage not in STAGES or isinstance(stage, bool):
-            raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+        check_zero_stage(stage)
         self.module, self.comm, self.stage = module, comm, stage
         units = default_units(module) if units is None else units
         names = {id(m): name for name, m in module.named_modules()}
@@ -294,7 +293,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     import warnings
 
     from .data import SyntheticTokens
-    from .ddp import bytes_written
+    from .ddp import bytes_written, wrap
     from .launch import device
     from .model import build, loss_fn, preset
 
@@ -312,7 +311,6 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         model = ZeroDataParallel(module, comm, stage, optimizer_class, lr=lr)
         update = model.optimizer
     else:
-        from torch.nn.parallel import DistributedDataParallel
         model = module
         if impl == "fully_shard":
             from torch.distributed.device_mesh import init_device_mesh
@@ -322,7 +320,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
                 fully_shard(unit, mesh=mesh)
             fully_shard(module, mesh=mesh)
         else:
-            model = DistributedDataParallel(module, device_ids=[dev.index] if dev.type == "cuda" else None)
+            model = wrap(module, "torch", comm)
         if impl == "zero_redundancy":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             update = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=optimizer_class, lr=lr)

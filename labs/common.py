@@ -28,14 +28,15 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
 
 
 def model_overrides(args) -> dict:
-    """Changes to the tiny model's config: heads of 8 channels, 2 query heads per key/value head, an MLP 3×
-    as wide as the model (so every width divisible by 16 splits over TP = 2, 4, 8)."""
+    """Changes to the tiny model's config: --layers, and --hidden in the tiny model's proportions
+    (course_lib.model.widened)."""
+    from course_lib.model import widened
+
     overrides = {"max_seq_len": max(64, args.seq_len)}
     if args.layers:
         overrides["num_layers"] = args.layers
     if args.hidden:
-        overrides.update(hidden=args.hidden, num_heads=args.hidden // 8, num_kv_heads=args.hidden // 16,
-                         intermediate=3 * args.hidden)
+        overrides.update(widened(args.hidden))
     return overrides
 
 

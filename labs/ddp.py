@@ -27,10 +27,10 @@ from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
-from course_lib.ddp import MiB, micro_batches, phase_seconds, replica_spread, train_step, wrap
+from course_lib.ddp import DDP_KINDS, MiB, micro_batches, phase_seconds, replica_spread, train_step, wrap
 from course_lib.model import build, preset
 
-KINDS = ("naive", "bucketed", "torch")
+KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 
 
 def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batch, accumulation, seq_len, lr,

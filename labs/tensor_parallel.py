@@ -15,6 +15,7 @@ Results go to labs/results/tensor_parallel.json and .png for notebook 04 to show
 On CPU each rank gets one thread, so "one device" means one core.
 """
 
+import contextlib
 import json
 
 import torch
@@ -29,21 +30,18 @@ from course_lib.tensor_parallel import apply_tp, step_seconds, tp_step_traffic
 
 
 def train_losses(model, data, steps, batch_size, lr, comm=None):
-    """Adam steps on the same batches as every other rank; the traced comm of each step, when given."""
+    """Adam steps on the same batches as every other rank (``steps``: a count, or an iterable such as a
+    progress bar); the traced comm of each step, when given."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses, logs = [], []
-    for step in range(steps):
+    for step in range(steps) if isinstance(steps, int) else steps:
         inputs, targets = (t.to(device()) for t in data.batch(step, batch_size))
-        if comm is not None:
-            with comm.trace() as log:
-                loss = loss_fn(model(inputs), targets)
-                optimizer.zero_grad()
-                loss.backward()
-            logs.append(log.summary().get("all_reduce"))
-        else:
+        with comm.trace() if comm is not None else contextlib.nullcontext() as log:
             loss = loss_fn(model(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
+        if log is not None:
+            logs.append(log.summary().get("all_reduce"))
         optimizer.step()
         losses.append(loss.item())
     return losses, logs
@@ -60,7 +58,7 @@ def tensor_parallel_run(rank, world_size, *, overrides, steps, batch_size, seq_l
     if rank == 0:
         from tqdm import tqdm
         progress = tqdm(progress, desc=f"TP={world_size}", mininterval=1.0)
-    losses, logs = train_losses(model, data, len(progress), batch_size, lr, comm)
+    losses, logs = train_losses(model, data, progress, batch_size, lr, comm)
     inputs, targets = (t.to(device()) for t in data.batch(0, batch_size))
     timing = step_seconds(model, inputs, targets, comm)
     result = {"losses": losses, "all_reduces_per_step": logs[-1].count, "payload_bytes_per_step": logs[-1].payload_bytes,

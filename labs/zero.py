@@ -23,7 +23,7 @@ import torch
 from common import lab_parser, model_overrides, reports
 from course_lib import launch
 from course_lib.ledger import zero_state_bytes
-from course_lib.model import build, preset
+from course_lib.model import build, count_params, preset
 from course_lib.zero import padded_num_params, train, wire_bytes_per_step
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 1), ("fully_shard", 3)]
@@ -52,7 +52,7 @@ def main():
     if not reports():
         return
     n = args.world_size
-    params = sum(p.numel() for p in build(config, device="meta").parameters())
+    params = count_params(config)
     padded = padded_num_params(build(config, device="meta"), n)
     grad_bytes = 2 * padded
     print(f"\n{n} ranks ({per_rank[0]['backend']}), {params:,} parameters ({padded:,} with padding), bf16 + MixedPrecisionAdam, "
