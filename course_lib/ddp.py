@@ -309,9 +309,10 @@ def replica_spread(model: nn.Module, comm: Comm) -> float:
 def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", steps: int = 3,
                       per_rank_batch: int = 4, accumulation_steps: int = 1, bucket_bytes: int = 25 * MiB,
                       lr: float = 1e-2, optimizer: str = "adam", seq_len: int = 32, config=None, seed: int = 0,
-                      timeline: bool = False, spread: bool = False) -> dict:
-    """A worker for ``launch``: train ``config`` (default: the tiny model) data-parallel as ``kind``, with
-    ``optimizer`` "adam" (as course_lib.train) or "sgd" (whose update is linear in the gradient).
+                      timeline: bool = False, spread: bool = False, dtype=None) -> dict:
+    """A worker for ``launch``: train ``config`` (default: the tiny model, in ``dtype``, float32 by default)
+    data-parallel as ``kind``, with ``optimizer`` "adam" (as course_lib.train) or "sgd" (whose update is
+    linear in the gradient).
 
     Returns {"steps": one dict per step (train_step's times and loss, plus "wire_bytes" and "all_reduces"
     traced through the Comm, "bytes_written" by this process, "timeline" of the all-reduces if asked,
@@ -322,7 +323,7 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(optimizers)}")
     comm, dev = Comm(), device()
     config = config or preset("tiny")
-    model = build(config, seed=seed, device=dev)
+    model = build(config, seed=seed, device=dev, dtype=dtype)
     parallel = wrap(model, kind, comm, bucket_bytes)
     update = optimizers[optimizer](model.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)

@@ -236,13 +236,15 @@ def check_one_f_one_b(actions) -> bool:
                       "warm-up forwards, then alternate one forward, one backward")
             return False
     weights = build(preset("tiny"), seed=0).state_dict()
+    # float64: micro-batches round differently from one batch only at ~1e-16, on any CPU; a lost micro-batch
+    # or a missing 1/m moves gradients by > 1e-4
     results = _run_on_ranks(pipeline_worker, 3, "schedule", num_microbatches=6, schedule=actions, batch_size=12,
-                            weights=weights, return_grads=True, timeout=60)
+                            weights=weights, return_grads=True, timeout=60, dtype=torch.float64)
     if results is None:
         return False
-    loss, grads = single_process_step(batch_size=12)
+    loss, grads = single_process_step(batch_size=12, dtype=torch.float64)
     worst = max((r["grads"][n] - grads[n]).abs().max().item() for r in results for n in r["grads"])
-    if abs(results[-1]["loss"] - loss) > 1e-5 or worst > 1e-5:
+    if abs(results[-1]["loss"] - loss) > 1e-12 or worst > 1e-12:
         print(f"✗ on 3 real ranks the loss is {results[-1]['loss']:.6f} (one process: {loss:.6f}), gradients off "
               f"by up to {worst:.1e}")
         return False

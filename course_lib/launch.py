@@ -13,7 +13,9 @@ This is the one place in the course where a process group is made. How it works:
   name defined in a notebook cell. ``cloudpickle`` sends the function's code instead; the cell's source
   lines travel with it, so a rank's traceback shows the lines of your cell.
 * **Rendezvous.** This process hosts a ``TCPStore`` on a free port chosen by the OS (port 0); the ranks
-  connect to it to find each other. No fixed ``MASTER_PORT``, so two notebooks never collide.
+  connect to it to find each other. No fixed ``MASTER_PORT``, so two notebooks never collide. The store,
+  and gloo's connections between the ranks, listen on loopback only: a world started here can be joined
+  from this machine, not from the network. (Under torchrun, the rendezvous is torchrun's.)
 * **Output.** Each rank's file descriptors 1 and 2 are pipes read by this process, so everything a rank
   prints (Python, C++ warnings, crash dumps) shows up here, line by line, prefixed ``[rank r]``.
 * **Faults.** A rank that raises sends its traceback and exits; peers blocked in a collective with it

@@ -88,10 +88,13 @@ def apply_rope(x, theta: float):
     here from the positions (no buffer, no parameter): cheap, and it works on the meta device.
     """
     seq, head_dim = x.shape[1], x.shape[-1]
-    freqs = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freqs)
+    # At least float32 (bf16 angles would be off by whole degrees at long positions), and float64 stays
+    # float64, so that float64 runs round only at float64's precision.
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    freqs = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=dtype), freqs)
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]   # [seq, 1, head_dim/2]: same for all heads
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 

@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 
 TICK_SECONDS = 0.2      # how often a waiting notebook looks up, e.g. to redraw grouped output
 DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, so a longer wait is a hang
+LOOPBACK = "127.0.0.1"   # a local world is reachable from this machine only: the store and the ranks listen here
 
 
 class RankError(RuntimeError):
@@ -100,8 +102,8 @@ class WorkerGroup:
         self.on_output = on_output or _print_with_prefix
         self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
         self._partial: dict[tuple[int, str], str] = {}
-        # The rendezvous: this process hosts the store; port 0 lets the OS pick a free port.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # The rendezvous: this process hosts the store, on a free port the OS picks, on loopback only.
+        self._store = _loopback_store()
         self.store_port = self._store.port
         cpus = len(os.sched_getaffinity(0))
         threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
@@ -275,6 +277,27 @@ class WorkerGroup:
             self._outputs.clear()
 
 
+def _loopback_store() -> dist.TCPStore:
+    """The rendezvous store, listening on 127.0.0.1 only.
+
+    TCPStore's server listens on every interface whatever host it is given (``ss -ltn`` shows ``*:PORT``;
+    torch 2.13, libuv and legacy backends alike), so anyone on the network could read and write the keys
+    that wire the ranks together. So we bind the socket to loopback ourselves (port 0: the OS picks a free
+    port, no two notebooks collide) and hand it to the store, which owns the descriptor from then on (it
+    closes it when it is destroyed; hence ``detach``, or Python would close it a second time).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        port = sock.getsockname()[1]
+        return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback network interface: ``lo`` on Linux, ``lo0`` on macOS."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name in ("lo", "lo0")), "lo")
+
+
 @contextlib.contextmanager
 def _main_module_hidden():
     """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
@@ -396,6 +419,9 @@ def _worker_main(rank, world_size, backend, store_port, threads, exit_after_erro
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MPLBACKEND="Agg")  # figures go to the notebook
+    # gloo listens on the address the host name resolves to: loopback on some machines, the network on many
+    # others (CI runners, cloud VMs). All ranks of a local world are on this machine: keep them on loopback.
+    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -427,7 +453,7 @@ def _worker_main(rank, world_size, backend, store_port, threads, exit_after_erro
 def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:
     """Join the process group through the notebook's store. A rebuilt group (after a failure left the old
     one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
-    store = dist.PrefixStore(f"generation{generation}", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    store = dist.PrefixStore(f"generation{generation}", dist.TCPStore(LOOPBACK, store_port, is_master=False))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT * 5))
 

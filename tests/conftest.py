@@ -1,5 +1,9 @@
-"""Shared by the tests: no worker may outlive a test, and a real Jupyter kernel to drive like a learner."""
+"""Shared by the tests: no worker may outlive a test, a real Jupyter kernel to drive like a learner, and
+per-user files kept out of the user's home."""
 
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -7,6 +11,17 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Kernels (ours and nbval's), IPython and matplotlib keep per-user files under the home directory (profiles,
+# runtime files, font caches). The tests give them a folder of their own, so a run neither reads the user's
+# settings nor writes beside them. Set here, at import, so every kernel the session starts inherits it.
+_HOME = tempfile.mkdtemp(prefix="course-tests-home-")
+os.environ.update(IPYTHONDIR=f"{_HOME}/ipython", MPLCONFIGDIR=f"{_HOME}/matplotlib",
+                  JUPYTER_CONFIG_DIR=f"{_HOME}/jupyter/config", JUPYTER_DATA_DIR=f"{_HOME}/jupyter/data",
+                  JUPYTER_RUNTIME_DIR=f"{_HOME}/jupyter/runtime")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -49,7 +64,7 @@ def gone(pids, within: float = 10) -> bool:
 @pytest.fixture(autouse=True)
 def no_orphans():
     yield
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 10   # ends as soon as they are gone: ~0.1 s when quiet, seconds under load
     while workers_left() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert workers_left() == [], "worker processes were left behind"

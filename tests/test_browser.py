@@ -37,22 +37,30 @@ def free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
-    """A JupyterLab server on a copy of the course (so autosave cannot touch the real notebooks)."""
+    """A JupyterLab server on a copy of the course (so autosave cannot touch the real notebooks), with a home
+    of its own: the user's saved workspace (other notebooks open, say) and settings must not change what the
+    test sees, and the run must not write workspaces, runtime or kernel files into the user's home."""
     for folder in ("notebooks", "labs"):
         shutil.copytree(REPO / folder, tmp_path / folder)
+    state = tmp_path / "jupyter"  # JupyterLab's and the kernels' own files, instead of ~/.jupyter and friends
     # Render every cell (JupyterLab 4 by default renders only the cells in view).
-    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings = state / "user-settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"  # no "get the news?" pop-up
+    news = state / "user-settings" / "@jupyterlab" / "apputils-extension"  # no "get the news?" pop-up
     news.mkdir(parents=True)
     (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+    # Kernel specs, lab extensions (ipywidgets) and server extensions are still found in the environment
+    # (sys.prefix/share/jupyter, sys.prefix/etc/jupyter); only the per-user places move.
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_DATA_DIR=str(state / "data"),
+               JUPYTER_RUNTIME_DIR=str(state / "runtime"), IPYTHONDIR=str(state / "ipython"))
     port, token = free_port(), secrets.token_hex(8)
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}", "--ServerApp.ip=127.0.0.1",
-         f"--LabApp.user_settings_dir={tmp_path / 'settings'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+         f"--LabApp.user_settings_dir={state / 'user-settings'}", f"--LabApp.workspaces_dir={state / 'workspaces'}",
+         "--LanguageServerManager.autodetect=False"],  # else jupyter-lsp runs `npm prefix -g`: a log in ~/.npm
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -63,7 +71,7 @@ def lab(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "JupyterLab did not start"
                 time.sleep(0.3)
-        yield url, token
+        yield url, token, state
     finally:
         server.terminate()
         try:
@@ -90,15 +98,21 @@ def wait_for(condition, seconds, what):
 
 
 def test_a_learner_runs_notebook_00_moves_a_widget_and_stops_a_long_cell(lab):
-    url, token = lab
+    url, token, state = lab
     with sync_api.sync_playwright() as playwright:
+        # Chromium's profile is a temporary one, but it still writes crash reports and dconf files under the
+        # home directory: give it one of its own as well.
+        home = state / "browser-home"
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"])
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"],
+            env=dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+                     XDG_CACHE_HOME=str(home / ".cache")))
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/lab/tree/notebooks/00_training_step.ipynb?token={token}")
         # The toolbar says "idle" before a kernel exists: ask the server instead.
         wait_for(lambda: kernel_state(url, token) == "idle", 60, "the notebook's kernel")
+        assert len(api(url, token, "sessions")) == 1, "other notebooks are open too (a saved workspace restored?)"
 
         # Clear the committed outputs, then run all cells, through the menus as a learner would.
         outputs = page.locator(".jp-OutputArea-output")

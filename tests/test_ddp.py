@@ -1,13 +1,14 @@
 """course_lib.ddp: data parallelism by hand, checked against one process on the global batch, against torch's
 DistributedDataParallel on the same data, and byte for byte against the ring formula.
 
-Tolerances. With SGD an update is linear in the gradient, so ours and one process differ only by fp32
-rounding in *how* the same numbers are summed (a backward over 16 rows at once, or over 4 + 4 + 4 + 4 rows
-then an all-reduce): a few units in the last place of gradients of size ~1, ~1e-8 on the weights after a few
-steps. 1e-6 leaves 100x room and would still catch a missing division by the world size (a 2x error) or a
-lost micro-batch. Adam divides by sqrt(v): a 1e-9 difference in a near-zero gradient can move a weight by
-~lr, so with Adam we only compare two implementations that must be bit-identical: on 2 ranks a sum of two
-numbers does not depend on the order, and halving is exact, so ours and torch's DDP agree exactly.
+Tolerances. Every run is in float64, so that the checks hold on any CPU (float32 results depend on which
+vectorised kernels torch picks). Ours and one process differ only by rounding in *how* the same numbers are
+summed (a backward over 16 rows at once, or over 4 + 4 + 4 + 4 rows then an all-reduce): ~1e-16 relative
+per operation, measured ≤ 1e-15 on the weights after 3 SGD steps. 1e-9 (≈ 10⁷ units of float64 rounding)
+leaves room for any summation order and still catches a missing division by the world size (a 2x gradient,
+~1e-2 on the weights) or a lost micro-batch (~1e-3). With Adam (which divides by sqrt(v) and so can magnify
+a rounding difference on a near-zero gradient) we compare two implementations that must be bit-identical:
+on 2 ranks a sum of two numbers does not depend on the order, and halving is exact.
 """
 
 import pytest
@@ -24,25 +25,28 @@ from course_lib.model import build, count_params, preset
 from course_lib.train import training_step
 
 STEPS, LR = 3, 0.1
+DTYPE, VALUE_BYTES = torch.float64, 8
+F64 = 1e-9   # see the module docstring
 VARIANTS = [("naive", MiB), ("bucketed", 1), ("bucketed", 64 * 1024), ("bucketed", 25 * MiB), ("torch", 64 * 1024)]
 
 
 def every_variant(rank, world_size, accumulation_steps):
     """One launch, every implementation in turn (a fresh launch per variant would re-import half of torch)."""
     common = dict(steps=STEPS, accumulation_steps=accumulation_steps, lr=LR, optimizer="sgd", timeline=True,
-                  spread=True)
+                  spread=True, dtype=DTYPE)
     runs = {variant: run_data_parallel(rank, world_size, kind=variant[0], bucket_bytes=variant[1], **common)
             for variant in VARIANTS}
     runs["none"] = run_data_parallel(rank, world_size, kind="none", **common)
     for kind in ("bucketed", "torch"):
         runs[kind, "adam"] = run_data_parallel(rank, world_size, kind=kind, bucket_bytes=64 * 1024, steps=STEPS,
-                                               accumulation_steps=accumulation_steps, lr=1e-2, optimizer="adam")
+                                               accumulation_steps=accumulation_steps, lr=1e-2, optimizer="adam",
+                                               dtype=DTYPE)
     return runs
 
 
 def one_process(global_batch):
     """The reference: one process, the whole global batch, the same data and seed."""
-    model = build(preset("tiny"), seed=0)
+    model = build(preset("tiny"), seed=0, dtype=DTYPE)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = SyntheticTokens(128, 32, seed=0)
     for step in range(STEPS):
@@ -65,7 +69,7 @@ def test_every_variant_matches_one_process_on_the_global_batch(setup):
     reference = one_process(global_batch=4 * world_size * accumulation_steps)
     for variant in VARIANTS:
         params = per_rank[0][variant]["params"]
-        assert (params - reference).abs().max().item() < 1e-6, variant
+        assert (params - reference).abs().max().item() < F64, variant
     # without synchronisation each replica learns from its own rows only: far from the reference
     assert (per_rank[0]["none"]["params"] - reference).abs().max().item() > 1e-3
 
@@ -83,7 +87,7 @@ def test_ours_and_torch_ddp_agree(setup):
     world_size, _, per_rank = setup
     sgd = {v: per_rank[0][v]["params"] for v in VARIANTS}
     for variant in VARIANTS:
-        assert (sgd[variant] - sgd["torch", 64 * 1024]).abs().max().item() < 1e-6, variant
+        assert (sgd[variant] - sgd["torch", 64 * 1024]).abs().max().item() < F64, variant
     if world_size == 2:   # Adam too, bit for bit: see the module docstring
         assert torch.equal(per_rank[0]["bucketed", "adam"]["params"], per_rank[0]["torch", "adam"]["params"])
 
@@ -91,9 +95,9 @@ def test_ours_and_torch_ddp_agree(setup):
 def test_bytes_on_the_wire_per_step_are_gradient_bytes_times_the_ring_factor(setup):
     world_size, accumulation_steps, per_rank = setup
     p = world_size
-    grad_bytes = 4 * count_params(preset("tiny"))
+    grad_bytes = VALUE_BYTES * count_params(preset("tiny"))
     predicted = grad_bytes * 2 * (p - 1) / p
-    sizes = [4 * p.numel() for p in build(preset("tiny"), device="meta").parameters()]
+    sizes = [VALUE_BYTES * p.numel() for p in build(preset("tiny"), device="meta").parameters()]
     tensors = len(sizes)
     for ranks in per_rank:
         for variant in VARIANTS:

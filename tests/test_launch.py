@@ -66,7 +66,8 @@ def test_a_failing_rank_is_named_with_its_traceback_while_peers_wait_in_a_collec
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         launch(fail_on_two, 4)
-    assert time.monotonic() - start < 5, "a crash must surface in seconds, not after a collective's timeout"
+    # a cold forkserver start alone can take 4 s on a busy machine; launch's own timeout is 120 s
+    assert time.monotonic() - start < 20, "a crash must surface in seconds, not after a collective's timeout"
     err = info.value
     assert err.rank == 2
     assert "ValueError: rank two is unhappy" in str(err)
@@ -104,7 +105,7 @@ def test_a_hung_rank_is_stopped_by_the_timeout_with_where_it_was():
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         launch(skip_collective_on_one, 3, timeout=1.5)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15    # 1.5 s, then the stacks; not the default 120 s
     assert info.value.ranks == [0, 2]
     assert "ranks [0, 2] did not finish within 1.5 s" in str(info.value)
     for r in (0, 2):

@@ -23,8 +23,11 @@ F64 = dict(rtol=0, atol=1e-12)
 # Controlled-cost runs: ops padded to 40 ms, best of 5 steps, GPipe (which pays each hand-off's latency once
 # per boundary; 1F1B pays it at every steady-state op). The gap to the formula is that latency (a rank waking
 # up for a message: 0.1 ms on an idle machine, 1-5 ms on a busy 2-core one) plus late wake-ups from sleep: a few
-# ms per step, under 3% of a 400-900 ms step.
-BUBBLE_TOLERANCE = 0.03
+# ms per step. Measured gaps: 0.003-0.011 here, quiet or beside a busy loop; up to 0.029 on another quiet CI
+# machine. The tolerance is twice that worst case, so the test holds on a loaded machine; it still tells the
+# formula from its neighbours (p = 2: m = 4 gives 0.20, m = 2 0.33, m = 1 0.50). The tighter figure (≤ 0.03)
+# is a benchmark: benchmarks/pp.py.
+BUBBLE_TOLERANCE = 0.06
 CONTROLLED = dict(forward_ms=40, batch_size=16, seq_len=8, steps=5, measure_memory=False)
 
 
@@ -236,7 +239,8 @@ def test_an_unbalanced_split_is_measured_and_balancing_by_cost_fixes_it():
     predicted = simulate("gpipe", 2, 4, [0.018, 0.054], [0.018, 0.054])
     assert runs[False].bubble == pytest.approx(predicted.bubble, abs=BUBBLE_TOLERANCE)
     assert runs[True].bubble == pytest.approx(bubble_fraction(2, 4), abs=BUBBLE_TOLERANCE)
-    assert runs[True].makespan < 0.8 * runs[False].makespan
+    # the simulation predicts a step 0.769x as long (measured 0.771); 0.9 keeps over twice the margin
+    assert runs[True].makespan < 0.9 * runs[False].makespan
 
 
 def test_a_batch_the_micro_batches_do_not_divide_fails_on_every_rank_at_once(weights):

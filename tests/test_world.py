@@ -67,7 +67,7 @@ def test_peers_blocked_in_all_reduce_when_a_rank_fails_are_freed_and_the_world_r
     world.exec("z = torch.ones(1) * (rank + 1)\nbefore = z.clone()")
     start = time.monotonic()
     outcome = world.exec("if rank == 1:\n    raise ValueError('rank one fails')\ndist.all_reduce(z)")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30    # seconds when quiet; a group timeout would be minutes
     assert outcome.error.rank == 1 and "ValueError: rank one fails" in str(outcome.error)
     assert outcome.world == "recovered", outcome.note
     assert "stuck in a collective" in outcome.note and "variables are kept" in outcome.note
@@ -79,7 +79,7 @@ def test_peers_blocked_in_all_reduce_when_a_rank_fails_are_freed_and_the_world_r
 def test_a_collective_one_rank_skips_times_out_and_recovers(world):
     start = time.monotonic()
     outcome = world.exec("if rank != 2:\n    dist.barrier()", timeout=1)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30    # seconds when quiet; a group timeout would be minutes
     assert isinstance(outcome.error, RankTimeout) and outcome.error.ranks == [0, 1, 3]
     assert "in barrier" in outcome.error.stacks[0]
     assert outcome.world == "recovered"
@@ -176,7 +176,7 @@ def test_the_stop_button_interrupts_every_rank_and_the_world_stays_usable(kernel
     km.interrupt_kernel()
     text, err = run_cell(kc, None, msg_id=msg_id)
     assert err == "Interrupted" and "KeyboardInterrupt: the ranks were interrupted; the world recovered" in text
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30    # seconds when quiet; a group timeout would be minutes
     text, err = run_cell(kc, "%%ranks\nw = torch.ones(1)\ndist.all_reduce(w)\n(w.item(), rank)")
     assert err is None and all(f"Out: (3.0, {r})" in text for r in range(3))
 
