@@ -70,8 +70,7 @@ def ours_vs_torch(rank, world_size, *, weights, steps, num_microbatches):
             start = time.perf_counter()
             if name == "ours":
                 ours.zero_grad()
-                pipeline_step(ours, comm, inputs, targets, num_microbatches=num_microbatches, schedule="1f1b",
-                              measure_memory=False)
+                pipeline_step(ours, comm, inputs, targets, num_microbatches=num_microbatches, schedule="1f1b")
             else:
                 theirs.zero_grad()
                 if rank == 0:

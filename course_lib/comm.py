@@ -168,6 +168,21 @@ class Comm:
         dist.recv(tensor, src=self._global(src), group=self.group)
         self._record("recv", tensor.nbytes, start)
 
+    def exchange(self, sends=(), recvs=()) -> list:
+        """Post point-to-point ``sends`` and ``recvs`` ((tensor, peer) pairs, peers ranks of this group)
+        together, as one batch (torch's batch_isend_irecv; NCCL runs a batch as one group, so two ranks that
+        send to each other at once do not wait on each other). Returns one Work per op, sends first: wait on
+        a receive's before reading its tensor, on a send's before changing or freeing its tensor."""
+        ops = [dist.P2POp(dist.isend, tensor, self._global(peer), self.group) for tensor, peer in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, self._global(peer), self.group) for tensor, peer in recvs]
+        if not ops:
+            return []
+        start = time.perf_counter()
+        works = dist.batch_isend_irecv(ops)
+        for op, (tensor, _) in [("send", pair) for pair in sends] + [("recv", pair) for pair in recvs]:
+            self._record(op, tensor.nbytes, start)
+        return works
+
     def barrier(self):
         dist.barrier(group=self.group)
 

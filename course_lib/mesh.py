@@ -203,7 +203,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
         optimizer.zero_grad()
         with comms["tp"].trace() as tp_log, comms["pp"].trace() as pp_log, comms["dp"].trace() as dp_log:
             result = pipeline_step(stage, comms["pp"], inputs, targets, num_microbatches=num_microbatches,
-                                   schedule=schedule, measure_memory=False)
+                                   schedule=schedule)
             data_parallel.finish_gradient_sync()   # the mean over the dp ranks' shares: the batch's gradient
         optimizer.step()
         if device().type == "cuda":

@@ -41,18 +41,17 @@ Hand-offs. A message takes a latency h to arrive. GPipe pays it once per boundar
 the way back (a stage's ops then run back to back); in 1F1B's steady state every op waits for a neighbour, so
 h is paid at every op. `simulate(..., latency_s=h)` predicts both.
 
-Controlled cost. With forward_s / backward_s every op is padded with sleep to exactly that duration (the real
-compute runs inside it; with compute=False the op only sleeps and zeros of the activation's shape travel), so
-bubbles are measured cleanly even on a busy 2-core CPU: a sleeping rank uses no core. Without them the ops take
-what they take. Both run the same schedule code and send the same messages.
+Controlled cost. A `StepRecorder` given forward_s / backward_s pads every op with sleep to exactly that
+duration (the real compute runs inside it; `pipeline_worker(compute=False)` swaps in a stage that computes
+nothing, so the op only sleeps and zeros of the right shape travel), so bubbles are measured cleanly even on a
+busy 2-core CPU: a sleeping rank uses no core. Without them the ops take what they take. The schedule loop is
+the same either way; the recorder only watches it (and counts the bytes each forward saves for backward).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -272,142 +271,109 @@ def simulate(schedule, num_stages: int, num_microbatches: int, forward_s, backwa
 
 # -------------------------------------------------------------------------------------------- executor
 
-class _Link:
-    """One direction of traffic with one neighbour, handled by a thread, in order, like NCCL's isend/irecv.
+class StepRecorder:
+    """Watches one rank's step from outside the schedule loop: times every op (an `Event` each), counts the
+    bytes each forward saves for backward and so what the stage holds in flight, and, given ``forward_s`` /
+    ``backward_s``, pads every op with sleep to exactly that cost (controlled cost; ``overruns`` counts ops
+    whose real compute took longer). ``pipeline_step`` wraps each op in ``recorder.op(kind, k)``."""
 
-    gloo's send waits until the peer has posted the matching receive, so a plain send from the main loop
-    would stall compute, and deadlock 1F1B's steady state, where two neighbours send to each other at once.
-    A receiving link posts its next receive at once, so data moves while this rank computes; the main loop
-    then waits (is idle) only for data that has not been sent yet.
-    """
+    def __init__(self, stage_module: nn.Module, forward_s: float | None = None, backward_s: float | None = None,
+                 measure_memory: bool = False):
+        self.stage_module, self.measure_memory = stage_module, measure_memory
+        self.cost = {"F": forward_s, "B": backward_s}
+        self.device = next(stage_module.parameters()).device
+        self.events: list[Event] = []
+        self.in_flight = [(0.0, 0, 0)]   # (time, micro-batches held, their saved bytes) after each op
+        self.saved: dict[int, int] = {}  # micro-batch → bytes its forward saved, until its backward
+        self.overruns, self.stage, self.t0 = 0, None, None
 
-    def __init__(self, comm: Comm, peer: int, receive: tuple | None = None):
-        self.comm, self.peer, self.queue, self.error = comm, peer, queue.SimpleQueue(), None
-        self.inbox = queue.SimpleQueue() if receive else None
-        target = self._receive if receive else self._send
-        self.thread = threading.Thread(target=target, args=receive or (), daemon=True)
-        self.thread.start()
+    def start(self, stage: int) -> None:
+        self.stage, self.t0 = stage, time.perf_counter()
 
-    def _send(self):
-        while (tensor := self.queue.get()) is not None:
-            try:
-                self.comm.send(tensor, self.peer)
-            except Exception as exc:  # re-raised by close()
-                self.error = exc
-                return
+    @contextlib.contextmanager
+    def op(self, kind: str, k: int):
+        measured = kind == "F" and self.measure_memory
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # a received tensor has arrived: waiting for it is idle, not the op
+        start = time.perf_counter()
+        with SavedActivations(self.stage_module) if measured else contextlib.nullcontext() as saved:
+            yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # GPU work is asynchronous: the op is done when the device is
+        if self.cost[kind] is not None:
+            left = start + self.cost[kind] - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            self.overruns += left < 0
+        end = time.perf_counter()
+        if kind == "F":
+            self.saved[k] = saved.bytes if measured else 0
+        else:
+            self.saved.pop(k)
+        self.events.append(Event(self.stage, kind, k, start - self.t0, end - self.t0))
+        self.in_flight.append((end - self.t0, len(self.saved), sum(self.saved.values())))
 
-    def _receive(self, count, shape, dtype, device):
-        for _ in range(count):
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            try:
-                self.comm.recv(tensor, self.peer)
-            except Exception as exc:  # raised by recv() in the main loop, which would wait forever otherwise
-                self.inbox.put(exc)
-                return
-            self.inbox.put(tensor)
-
-    def send(self, tensor: torch.Tensor):
-        self.queue.put(tensor)
-
-    def recv(self) -> torch.Tensor:
-        item = self.inbox.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def close(self):
-        if self.inbox is None:
-            self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
-def _finish(start: float, target_s: float | None, device: torch.device) -> bool:
-    """Wait until the op is done; with a controlled cost, sleep until it has taken exactly target_s.
-    Returns True if the real compute overran the target."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)   # GPU work is asynchronous: the op is done when the device is
-    if target_s is None:
-        return False
-    left = start + target_s - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-    return left < 0
+    def result(self) -> dict:
+        return {"events": self.events, "in_flight": self.in_flight, "overruns": self.overruns, "t0": self.t0}
 
 
 def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, targets: torch.Tensor, *,
-                  num_microbatches: int, schedule="1f1b", forward_s: float | None = None,
-                  backward_s: float | None = None, compute: bool = True, loss_fn=default_loss_fn,
-                  measure_memory: bool = True) -> dict:
+                  num_microbatches: int, schedule="1f1b", loss_fn=default_loss_fn,
+                  recorder: StepRecorder | None = None) -> dict:
     """This rank's part of one step: its stage's forwards and backwards in ``schedule``'s order. Gradients
-    accumulate in .grad (zero them first; no optimizer step). ``compute=False`` (with controlled costs) skips
-    the model: ops only sleep, and zeros of the right shape travel. Stage = ``comm.rank``; every rank passes the
+    accumulate in .grad (zero them first; no optimizer step). Stage = ``comm.rank``; every rank passes the
     batch's inputs and targets (the first stage reads the inputs, the last the targets). Returns {"rank",
-    "events", "in_flight", "overruns", "loss" (the batch's mean loss, on the last stage; else None), "t0" (this
-    rank's perf_counter at the step's start: event times are relative to it)}."""
-    if comm.size > 1 and torch.distributed.get_backend(comm.group) == "nccl":   # one stage: no helper threads
-        # Two threads issuing sends and receives on one NCCL communicator can deadlock (NCCL orders them on
-        # one stream; a send waits for a receive queued behind the other side's send). Say so, do not hang.
-        raise RuntimeError("pipeline_step sends and receives on helper threads, which gloo allows and NCCL does "
-                           "not: run it on a gloo group (labs: --backend gloo), or use torch.distributed."
-                           "pipelining for NCCL (torch_pipeline_step)")
+    "num_microbatches", "loss" (the batch's mean loss, on the last stage; else None), and the recorder's
+    "events", "in_flight", "overruns", "t0" (this rank's perf_counter at the step's start)}.
+
+    Messages. Everything is posted from this thread, as Megatron-LM and picotron do, so the same code runs
+    on gloo and NCCL. Before each op, the tensor the previous op produced for a neighbour (sends) and the
+    tensor this op needs from a neighbour (receives) are posted together as one batch (`Comm.exchange`,
+    torch's batch_isend_irecv). NCCL runs a batch as one group: in 1F1B's steady state two neighbours send to
+    each other at the same moment, and posted one by one each send would wait for a receive queued behind
+    the other's send. The op then waits only for its own input (that wait is the rank's idle time); sends
+    complete in the background and are waited for at the end of the step.
+    """
     stage, num_stages, m = comm.rank, comm.size, num_microbatches
     first, last = stage == 0, stage == num_stages - 1
     input_chunks, target_chunks = split_microbatches(inputs, m), split_microbatches(targets, m)
     actions = schedule_actions(schedule, num_stages, m)[stage]
     param = next(stage_module.parameters())
-    act_shape = (*input_chunks[0].shape, stage_module.config.hidden)   # [B/m, S, d]
-    shape = (act_shape, param.dtype, param.device)   # activations and their gradients: one shape
-    to_next = None if last else _Link(comm, stage + 1)
-    to_prev = None if first else _Link(comm, stage - 1)
-    from_prev = None if first else _Link(comm, stage - 1, receive=(m, *shape))
-    from_next = None if last else _Link(comm, stage + 1, receive=(m, *shape))
-    held = {}   # micro-batch → (its input, its output (the loss on the last stage), saved bytes)
-    events, in_flight, overruns, loss = [], [(0.0, 0, 0)], 0, 0.0
-    comm.barrier()                    # every rank starts its clock together (to within a message's latency)
-    t0 = time.perf_counter()
+    boundary = dict(size=(*input_chunks[0].shape, stage_module.config.hidden), dtype=param.dtype,
+                    device=param.device)       # an activation [B/m, S, d], and its gradient: one shape
+    recorder = recorder or StepRecorder(stage_module)
+    held = {}                                   # micro-batch → (its input, its output), forward to backward
+    outgoing, in_transit, loss = [], [], 0.0    # to post with the next receive; posted, not yet waited for
+    comm.barrier()                  # every rank starts its clock together (to within a message's latency)
+    recorder.start(stage)
     for kind, k in actions:
-        if kind == "F":
-            if first:
-                x = input_chunks[k].to(param.device)
-            else:   # wait for stage s-1's output: time spent here is idle
-                x = from_prev.recv().requires_grad_(compute)
-            start = time.perf_counter()
-            with SavedActivations(stage_module) if measure_memory else contextlib.nullcontext() as saved:
-                if not compute:
-                    out = torch.zeros(act_shape, dtype=param.dtype, device=param.device)
-                else:
-                    out = stage_module(x)
-                    if last:   # each micro-batch's mean loss / m: the grads sum to the batch mean's
-                        out = loss_fn(out, target_chunks[k].to(param.device)) / m
-                        loss += out.item()
-            held[k] = (x, out, saved.bytes if measure_memory else 0)
-            overruns += _finish(start, forward_s, param.device)
-            end = time.perf_counter()
-            if not last:
-                to_next.send(out.detach())
-        else:
-            x, out, _ = held.pop(k)
-            grad = None
-            if not last:    # wait for dL/d(out) from stage s+1
-                grad = from_next.recv()
-            start = time.perf_counter()
-            # = out.backward(grad), bit for bit (d(out·grad)/d(out) = grad), without the import of sympy that
-            # torch does at the first backward given an explicit gradient (seconds in every fresh rank)
-            if compute:
-                (out if last else (out * grad).sum()).backward()
-            overruns += _finish(start, backward_s, param.device)
-            end = time.perf_counter()
-            if not first:
-                to_prev.send(x.grad if compute else torch.zeros_like(x))
-        events.append(Event(stage, kind, k, start - t0, end - t0))
-        in_flight.append((end - t0, len(held), sum(nbytes for _, _, nbytes in held.values())))
-    for link in (to_next, to_prev, from_prev, from_next):   # (after an error: left alone, daemon threads)
-        if link is not None:
-            link.close()
-    return {"rank": stage, "events": events, "in_flight": in_flight, "overruns": overruns,
-            "num_microbatches": m, "loss": loss if last else None, "t0": t0}
+        source = stage - 1 if kind == "F" else stage + 1     # the neighbour whose output this op needs
+        needs_input = 0 <= source < num_stages
+        incoming = torch.empty(**boundary) if needs_input else None
+        works = comm.exchange(sends=outgoing, recvs=[(incoming, source)] if needs_input else [])
+        in_transit += zip(outgoing, works)
+        outgoing = []
+        if needs_input:
+            works[-1].wait()                    # idle until the neighbour's tensor has arrived
+        with recorder.op(kind, k):
+            if kind == "F":
+                x = input_chunks[k].to(param.device) if first else incoming.requires_grad_()
+                out = stage_module(x)
+                if last:   # each micro-batch's mean loss / m: the gradients sum to the batch mean's
+                    out = loss_fn(out, target_chunks[k].to(param.device)) / m
+                    loss += out.item()
+                held[k] = (x, out)
+            else:
+                x, out = held.pop(k)
+                torch.autograd.backward(out, None if last else incoming)   # dL/d(out) from stage s+1
+        if kind == "F" and not last:
+            outgoing = [(out.detach(), stage + 1)]
+        elif kind == "B" and not first:
+            outgoing = [(x.grad, stage - 1)]
+    in_transit += zip(outgoing, comm.exchange(sends=outgoing))
+    for _, work in in_transit:                  # (the pairs keep each sent tensor alive until it has left)
+        work.wait()
+    return {"rank": stage, "num_microbatches": m, "loss": loss if last else None, **recorder.result()}
 
 
 # ------------------------------------------------------------------------------ ready-made runs on ranks
@@ -448,16 +414,18 @@ def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedu
         forward_s = [f / 1e3 for f in per_stage]
     if forward_s is not None:
         backward_s = [f * backward_ratio for f in forward_s]
+    if not compute:
+        stage = _StandIn(stage, last=rank == world_size - 1)
     comm = Comm()
-    pipeline_step(stage, comm, inputs, targets, num_microbatches=1, measure_memory=False)
+    pipeline_step(stage, comm, inputs, targets, num_microbatches=1)
     tries = []
     for _ in range(steps):
         stage.zero_grad()
+        recorder = StepRecorder(stage, forward_s and forward_s[rank], backward_s and backward_s[rank],
+                                measure_memory=measure_memory)
         with comm.trace() as log:
             tries.append(pipeline_step(stage, comm, inputs, targets, num_microbatches=num_microbatches,
-                                       schedule=schedule, forward_s=forward_s and forward_s[rank],
-                                       backward_s=backward_s and backward_s[rank], compute=compute,
-                                       measure_memory=measure_memory))
+                                       schedule=schedule, recorder=recorder))
         tries[-1]["sent_bytes"] = sum(r.payload_bytes for r in log.records if r.op == "send")
     # Best of `steps`, as timeit does: a busy machine only ever delays an op, never hurries one. Every rank
     # keeps the same step: the one with the shortest makespan over all ranks. (Every step computes the same
@@ -469,6 +437,23 @@ def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedu
     if return_grads:
         result["grads"] = {name: p.grad.clone() for name, p in stage.named_parameters()}
     return result
+
+
+class _StandIn(nn.Module):
+    """``compute=False``: a stage that does no work, for many ranks on few cores. Zeros of the shape the real
+    stage would output travel (logits on the last stage, so the loss is ln V), tied to the input and to one
+    parameter so that backward runs and sends a gradient of the right shape; the ops' time is all padding."""
+
+    def __init__(self, stage: nn.Module, last: bool):
+        super().__init__()
+        self.config, self.last = stage.config, last
+        param = next(stage.parameters())
+        self.anchor = nn.Parameter(torch.zeros((), dtype=param.dtype, device=param.device))
+
+    def forward(self, x):
+        width = self.config.vocab_size if self.last else self.config.hidden
+        out = torch.zeros(*x.shape[:2], width, dtype=self.anchor.dtype, device=self.anchor.device) + self.anchor
+        return out + 0 * x.sum() if x.is_floating_point() else out
 
 
 def pipeline_sweep(rank: int, world_size: int, *, runs: list[dict], **common) -> list[dict]:

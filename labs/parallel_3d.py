@@ -11,9 +11,6 @@ pipeline (1F1B) in --microbatches micro-batches, with TP's all-reduces inside ev
 averaged over the dp group. The table has one row per rank: coordinates, parameters held, and the bytes it sent
 on each axis in the last step, traced, with the formula's (mesh.sent_bytes_per_rank) beside them; then the
 median step time. Results go to labs/results/parallel_3d.json and .png for notebook 06.
-The pipeline's sends and receives run on helper threads, which gloo allows and NCCL does not, so the lab runs on
-gloo by default, also on a GPU box (the ranks then compute on the CPU: the bytes are the same, the times are
-not a GPU's).
 """
 
 import json
@@ -28,7 +25,6 @@ from course_lib.model import preset
 
 def main():
     parser = lab_parser(__doc__, world_size=8, steps=10)
-    parser.set_defaults(backend="gloo")   # pipeline_step's helper threads need gloo (see above)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (inside a node)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (across nodes)")
     parser.add_argument("--microbatches", type=int, default=4)

@@ -13,10 +13,8 @@ schedule (GPipe, 1F1B) and each number of micro-batches m, one training step run
   * with --real, also as fast as it goes: its step time.
 Small models are also checked against one process on the whole batch (loss). Prints a table, and writes
 labs/results/pipeline_parallel.json and .png (the bubble curve with the measurements, and one Gantt chart).
-Sends and receives run on helper threads (see course_lib/pipeline_parallel.py), which gloo allows and NCCL does
-not (two threads on one NCCL communicator can deadlock), so this lab runs on gloo even on a GPU box (its ranks
-then compute on the CPU; the bubble is a property of the schedule, not of the device); pipeline_step refuses an
-NCCL group with an error rather than risk a hang.
+It runs on gloo (CPU) or NCCL (one GPU per rank): the executor posts every send and receive from the main
+thread, batched as Megatron-LM does (see course_lib/pipeline_parallel.py).
 """
 
 import json
@@ -29,7 +27,6 @@ from course_lib.pipeline_parallel import Timeline, bubble_fraction, pipeline_swe
 
 def main():
     parser = lab_parser(__doc__, world_size=4, steps=3)
-    parser.set_defaults(backend="gloo")   # pipeline_step's helper threads need gloo (see above)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--op-ms", type=float, default=40.0, help="controlled cost of each forward and backward")
     parser.add_argument("--batch", type=int, help="rows per step (default: 2 × the largest micro-batch count)")

@@ -98,7 +98,7 @@ def reference():
 @pytest.fixture(scope="module")
 def run_2x2x2():
     return launch(train_3d, 8, dp=2, tp=2, pp=2, num_microbatches=2, steps=STEPS, batch_size=BATCH, seq_len=SEQ,
-                  dtype=torch.float64, backend="gloo")   # gloo: pipeline_step refuses NCCL (helper threads)
+                  dtype=torch.float64, backend="gloo")
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 2), (1, 2, 2), (2, 1, 2), (2, 2, 1)], ids=lambda t: "dp%d-tp%d-pp%d" % t)

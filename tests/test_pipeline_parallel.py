@@ -264,18 +264,33 @@ def test_the_exercise_checker_explains_gpipe_and_accepts_1f1b(capsys):
     assert exercises.check_one_f_one_b(one_f_one_b_actions)
 
 
-def _pipeline_step_on_a_group_that_says_nccl(rank, world_size):
+def _posted_batches(rank, world_size):
+    """Run a 1F1B step, noting each batch of messages pipeline_step posts: the thread, and what is in it."""
+    import threading
+
     import torch.distributed as dist
 
     from course_lib.comm import Comm
     from course_lib.pipeline_parallel import pipeline_step
 
-    dist.get_backend = lambda group=None: "nccl"   # no GPU here: only the refusal is under test
-    inputs = torch.zeros(2, 4, dtype=torch.long)
+    batches, post = [], dist.batch_isend_irecv
+
+    def noting(ops):
+        batches.append((threading.get_ident(), sorted(op.op.__name__ for op in ops)))
+        return post(ops)
+
+    dist.batch_isend_irecv = noting
+    inputs = torch.zeros(8, 4, dtype=torch.long)
     pipeline_step(make_stage(build(preset("tiny")), rank, partition_layers(4, 2)), Comm(), inputs, inputs,
-                  num_microbatches=1)
+                  num_microbatches=4, schedule="1f1b")
+    return threading.get_ident(), batches
 
 
-def test_pipeline_step_refuses_nccl_instead_of_risking_a_hang():
-    with pytest.raises(RankError, match="gloo allows and NCCL does not"):
-        launch(_pipeline_step_on_a_group_that_says_nccl, 2, timeout=30)
+def test_pipeline_step_posts_every_message_from_its_own_thread_sends_with_receives():
+    """What lets the same executor run on NCCL: no helper thread, and in 1F1B's steady state a send and the
+    receive its neighbour is waiting to pair it with travel in one batch (one NCCL group)."""
+    for main_thread, batches in launch(_posted_batches, 2, timeout=60):
+        assert {thread for thread, _ in batches} == {main_thread}
+        kinds = [ops for _, ops in batches]
+        assert sum(ops.count("isend") for ops in kinds) == sum(ops.count("irecv") for ops in kinds) == 4
+        assert ["irecv", "isend"] in kinds     # a send posted together with a receive
