@@ -17,9 +17,10 @@ import torch
 
 from course_lib import launch
 from course_lib.comm import Comm
-from course_lib.data import SyntheticTokens
-from course_lib.ddp import DDP_KINDS, MiB, micro_batches, train_step, wrap
+from course_lib.data import SyntheticTokens, micro_batches
 from course_lib.model import build, count_params, preset, widened
+from course_lib.runs.ddp import DDP_KINDS, train_step, wrap
+from course_lib.units import MiB
 
 KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 

@@ -23,8 +23,8 @@ from course_lib import launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
 from course_lib.model import GPT, build, preset
-from course_lib.pipeline_parallel import (Timeline, bubble_fraction, make_stage, partition_layers, pipeline_step,
-                                          pipeline_sweep)
+from course_lib.pipeline_parallel import Timeline, bubble_fraction, make_stage, partition_layers, pipeline_step
+from course_lib.runs.pipeline import pipeline_sweep
 
 MICROBATCHES = (1, 4, 8, 16)
 OP_MS = 60

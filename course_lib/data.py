@@ -76,3 +76,12 @@ class SyntheticTokens:
         """Rank `rank`'s share of the global batch of `step`: global_batch // world_size rows."""
         inputs, targets = self.batch(step, global_batch)
         return shard(inputs, rank, world_size), shard(targets, rank, world_size)
+
+
+def micro_batches(data, step: int, per_rank_batch: int, rank: int, world_size: int,
+                  accumulation_steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of step ``step``: the global batch (per_rank_batch × world_size ×
+    accumulation_steps rows) cut into accumulation_steps micro-batches, each sharded over the ranks."""
+    inputs, targets = data.batch(step, per_rank_batch * world_size * accumulation_steps)
+    return [(shard(i, rank, world_size), shard(t, rank, world_size))
+            for i, t in zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps))]

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from .launch import RankError, launch
 
-
 NOT_DONE = "Not done yet: replace `raise NotImplementedError` with your code, then run this cell again."
 
 
@@ -57,7 +56,7 @@ def check_mlp_saved_bytes(mlp_saved_bytes) -> bool:
     """01: ``mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_per_value)`` must predict the
     bytes the course's SwiGLU MLP saves for backward, given an input that requires grad. Checked against a
     measurement (SavedActivations) at several shapes and two precisions."""
-    from .ledger import SavedActivations
+    from .measure import SavedActivations
     from .model import MLP, preset
 
     trials = [(2, 8, 16, 32, torch.float32), (3, 5, 64, 96, torch.bfloat16), (1, 1, 16, 8, torch.float32),
@@ -208,8 +207,8 @@ def check_one_f_one_b(actions) -> bool:
     formula (m + p - 1)·(t_f + t_b), and at most min(p - s, m) micro-batches in flight on stage s; then run
     for real on 3 ranks, with loss and gradients against one process."""
     from .model import build, preset
-    from .pipeline_parallel import (bubble_fraction, pipeline_makespan, pipeline_worker, simulate,
-                                    single_process_step)
+    from .pipeline_parallel import bubble_fraction, pipeline_makespan, simulate
+    from .runs.pipeline import pipeline_worker, single_process_step
 
     for p, m in [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8)]:
         try:
@@ -314,11 +313,12 @@ def check_3d_layout(layout) -> bool:
     dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
     into dp shares of num_microbatches equal micro-batches; no bad smell (plan.bad_smells: TP across nodes,
     ZeRO-2/3 with a pipeline); the training state fits (plan.need_per_gpu); the bubble stays under 20%."""
-    from .ledger import ZERO_STAGES, GiB
+    from .ledger import ZERO_STAGES
     from .mesh import Mesh
     from .model import preset
     from .pipeline_parallel import bubble_fraction
     from .plan import bad_smells, need_per_gpu
+    from .units import GiB
 
     config, num_gpus, gpus_per_node, card, batch = preset("llama2-70b"), 32, 8, 80 * GiB, 64
     try:

@@ -1,7 +1,6 @@
 """The memory ledger: predict every byte of training state and activations, then measure it.
 
-Units: GiB = 2**30 bytes (what the source material and nvidia-smi use), GB = 10**9 bytes (what papers and
-spec sheets often use). Every printed number in the course says which.
+Units are course_lib.units: GiB = 2**30 bytes, GB = 10**9 bytes.
 
 1. Training state: bytes per parameter
 --------------------------------------
@@ -76,24 +75,15 @@ exactly by `SavedActivations`, which counts the tensors autograd saves (torch.au
 saved_tensors_hooks), each storage once, leaving out parameters and views of parameters (a Linear saves
 weight.t(), which is a view of the weight, not new memory).
 
-3. Measurement
---------------
-`measure_state_bytes` counts real tensor storage: parameters, their .grad, and every tensor in the
-optimizer's state; a storage shared by two tensors (a tied weight, a view) is counted once. torch's Adam
-keeps a float32 `step` tensor per parameter tensor: those bytes grow with the number of tensors, not of
-parameters, so they are reported apart as `step_counters`. `MixedPrecisionAdam` keeps exactly the 12
-bytes of the formula and counts steps in a Python int.
+Measured by course_lib.measure (state from tensor storage, activations from saved-tensor hooks); the
+16-bit optimizer with exactly these 12 bytes is course_lib.mixed_precision.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
-
-GiB, GB, MiB, TiB = 2**30, 10**9, 2**20, 2**40
-
 
 # ---------------------------------------------------------------------------------------------------
 # 1. Training state
@@ -304,177 +294,3 @@ def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.floa
     return terms
 
 
-# ---------------------------------------------------------------------------------------------------
-# 3. Measurement
-# ---------------------------------------------------------------------------------------------------
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor that lives on this rank (a DTensor's local shard; any other tensor itself)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _storage_key(tensor: torch.Tensor):
-    storage = _local(tensor).untyped_storage()
-    return (str(storage.device), storage.data_ptr()), storage.nbytes()
-
-
-def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of training state this process holds, counted from tensor storage, each storage once.
-
-    {"weights", "grads", "optimizer", "step_counters", "total"}: parameters; their .grad; the optimizer's
-    per-element state (tensors with at least one dimension); its 0-dimensional state, such as the float32
-    `step` torch's Adam keeps for every parameter tensor. Buffers are not training state and not counted
-    (the course's model has none). Call it after a step: torch's optimizers make their state at step 1.
-    """
-    seen = set()
-    state = {"weights": 0, "grads": 0, "optimizer": 0, "step_counters": 0}
-
-    def add(part, tensor):
-        key, nbytes = _storage_key(tensor)
-        if key not in seen:
-            seen.add(key)
-            state[part] += nbytes
-
-    params = list(model.parameters())
-    for param in params:
-        add("weights", param)
-    for param in params:
-        if param.grad is not None:
-            add("grads", param.grad)
-    # torch's ZeroRedundancyOptimizer keeps this rank's state in the optimizer it wraps, `.optim`.
-    optimizer = getattr(optimizer, "optim", optimizer)
-    if optimizer is not None:
-        for param_state in optimizer.state.values():
-            for value in param_state.values():
-                if torch.is_tensor(value):
-                    add("step_counters" if value.dim() == 0 else "optimizer", value)
-    state["total"] = sum(state.values())
-    return state
-
-
-class SavedActivations:
-    """Counts the bytes autograd saves for backward inside a `with` block, by module.
-
-        with SavedActivations(model) as saved:
-            loss = loss_fn(model(inputs), targets)
-        saved.bytes, saved.by_module     # total, and {"layers.0.attn": ..., "loss": ...}
-
-    Each storage is counted once, at the first module that saves it; parameters and views of parameters
-    are left out. Use one forward per block: a storage freed by backward may be reused at the same address.
-    Tensors saved outside any submodule (the loss) are filed under "loss".
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.bytes = 0
-        self.by_module: dict[str, int] = {}
-        self._excluded = {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
-        self._seen = set()
-        self._stack = ["loss"]
-        self._handles = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-
-    def _pack(self, tensor):
-        key, nbytes = _storage_key(tensor)
-        if nbytes and key not in self._excluded and key not in self._seen:
-            self._seen.add(key)
-            self.bytes += nbytes
-            self.by_module[self._stack[-1]] = self.by_module.get(self._stack[-1], 0) + nbytes
-        return tensor       # keep the tensor itself: only counting, not changing what is saved
-
-    def __enter__(self):
-        def enter(name):
-            def hook(module, args):
-                self._stack.append(name)      # returns None: a hook that returns a value replaces the args
-            return hook
-
-        def leave(module, args, output):
-            self._stack.pop()
-
-        for name, module in self.model.named_modules():
-            if name:   # the model itself is the outermost module: its own saves are the loss's, not a layer's
-                self._handles.append(module.register_forward_pre_hook(enter(name)))
-                self._handles.append(module.register_forward_hook(leave))
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def by_kind(self) -> dict[str, int]:
-        """by_module with the layer index dropped ("layers.3.attn" → "attn"), summed over layers."""
-        kinds: dict[str, int] = {}
-        for name, nbytes in self.by_module.items():
-            parts = name.split(".", 2)
-            if parts[0] == "layers":
-                kind = parts[2] if len(parts) == 3 else "block"   # "layers.3" itself: saved by Block.forward
-            else:
-                kind = name
-            kinds[kind] = kinds.get(kind, 0) + nbytes
-        return kinds
-
-
-def measure_step(model, optimizer, inputs, targets, loss_fn) -> dict:
-    """Run one training step and measure it: {"activations": SavedActivations, "state": measure_state_bytes
-    after the step (gradients still held), "cuda_peak": torch.cuda.max_memory_allocated during the step,
-    or None off CUDA}."""
-    on_cuda = inputs.is_cuda
-    if on_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    optimizer.zero_grad()
-    with SavedActivations(model) as saved:
-        loss = loss_fn(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    cuda_peak = None
-    if on_cuda:
-        torch.cuda.synchronize()
-        cuda_peak = torch.cuda.max_memory_allocated()
-    return {"activations": saved, "state": measure_state_bytes(model, optimizer), "cuda_peak": cuda_peak}
-
-
-class MixedPrecisionAdam(torch.optim.Optimizer):
-    """Adam for a model held in 16 bits, with exactly the 12 bytes of optimizer state per parameter of the
-    16-byte rule: an fp32 master copy of every weight, and Adam's m and v in fp32.
-
-    A step upcasts one 16-bit gradient at a time (a temporary), updates the fp32 master exactly as
-    torch.optim.Adam (foreach=False) would, and rounds the result into the 16-bit weight. The step count
-    is a Python int, so no per-tensor counters. State is made at construction: it exists before step 1.
-    """
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-        if lr <= 0 or eps <= 0 or not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"lr={lr}, eps={eps} must be > 0 and betas={betas} in [0, 1)")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
-        for group in self.param_groups:
-            group["step"] = 0
-            for param in group["params"]:
-                self.state[param] = {
-                    "master": param.detach().to(torch.float32, copy=True),   # a copy even if param is fp32
-                    "exp_avg": torch.zeros_like(param, dtype=torch.float32),
-                    "exp_avg_sq": torch.zeros_like(param, dtype=torch.float32),
-                }
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("closure: MixedPrecisionAdam does not re-evaluate the loss; call step() without one")
-        for group in self.param_groups:
-            group["step"] += 1
-            beta1, beta2 = group["betas"]
-            step_size = group["lr"] / (1 - beta1 ** group["step"])
-            bias_correction2_sqrt = math.sqrt(1 - beta2 ** group["step"])
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                grad = param.grad.to(torch.float32)
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
-                state["master"].addcdiv_(state["exp_avg"], denom, value=-step_size)
-                param.copy_(state["master"])     # round the fp32 master into the 16-bit weight

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .ledger import CONVENTIONS, GiB, MiB, zero_state_bytes
+from .ledger import CONVENTIONS, zero_state_bytes
 from .mesh import Mesh, layer_params, params_per_rank
 from .model import param_count_formula
 from .pipeline_parallel import bubble_fraction
 from .tensor_parallel import check_tp_divisible
+from .units import GiB, MiB
 
 
 @dataclass

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 
 from .comm import Comm
 
-
 # ------------------------------------------------------------------------------ the conjugate operators
 
 class CopyToTensorParallelRegion(torch.autograd.Function):

@@ -84,8 +84,10 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
     unless recomputed). Weights, grads and optimizer state are the same in both: zero_state_bytes, stage 0.
     """
     import torch
-    from .ledger import CONVENTIONS, GiB, activation_bytes, gpt_activation_bytes, zero_state_bytes
+
+    from .ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
     from .model import param_count_formula
+    from .units import GiB
 
     configs = _explorer_configs()
     def powers(lo, hi):
@@ -255,7 +257,7 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
     Runs happen live on persistent ranks (one WorkerGroup per world size, started on first use), and are
     cached. ``panel.stop_ranks()`` stops them; ``panel.runs`` maps (ranks, bucket label) → every rank's result.
     """
-    from .ddp import phase_seconds, run_data_parallel
+    from .runs.ddp import phase_seconds, run_data_parallel
     from .workers import WorkerGroup
 
     buckets = buckets or DDP_BUCKETS
@@ -319,7 +321,8 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
     settings → Timeline) on persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
     """
     from .model import build, preset
-    from .pipeline_parallel import Timeline, bubble_fraction, pipeline_worker, simulate
+    from .pipeline_parallel import Timeline, bubble_fraction, simulate
+    from .runs.pipeline import pipeline_worker
     from .workers import WorkerGroup
 
     weights = build(preset("tiny"), seed=0).state_dict()   # built once here, not on every rank
@@ -351,7 +354,7 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
                 out.clear_output(wait=True)
             timeline = runs[p, m, name, factor]
             predicted = simulate(name, p, m, [c / 1e3 for c in costs_ms], [c / 1e3 for c in costs_ms])
-            fig = timeline.plot(title=f"{name}, p = {p}, m = {m}: measured bubble {timeline.bubble:.1%}")
+            fig = plots.pipeline_gantt(timeline, title=f"{name}, p = {p}, m = {m}: measured bubble {timeline.bubble:.1%}")
             display(fig)
             plt.close(fig)
             print(f"measured bubble {timeline.bubble:6.1%}   (mean idle fraction over the {p} ranks)")
@@ -380,8 +383,9 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     ledger.zero_state_bytes) for every stage, against a card, and the bytes each rank sends per step
     (zero.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
     Models: the memory explorer's, the source's round 7.1e9 and 70e9, and a custom Llama-shaped one."""
-    from .ledger import CONVENTIONS, GiB, zero_state_bytes
+    from .ledger import CONVENTIONS, zero_state_bytes
     from .model import param_count_formula
+    from .units import GiB
     from .zero import wire_bytes_per_step
 
     configs = _explorer_configs()
@@ -442,9 +446,9 @@ PLAN_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gpus_per_node=8):
     """Model × GPUs × card → the three questions of plan.plan answered, the state per GPU of every ZeRO rung
     over all the GPUs and of the chosen layout, against the card, and the layout's bad smells, if any."""
-    from .ledger import GiB
     from .mesh import Mesh
     from .plan import bad_smells, plan, stage_name, state_per_gpu
+    from .units import GiB
 
     configs = _explorer_configs()
     controls = {

@@ -8,7 +8,6 @@ reply is ``("ok", value)`` or ``("error", when, summary, traceback)``. ``launch.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import datetime
@@ -17,7 +16,6 @@ import io
 import linecache
 import multiprocessing.connection
 import os
-import re
 import signal
 import socket
 import sys
@@ -30,6 +28,10 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .tracebacks import PLUMBING_FILES, dumps, interactive_sources, name_cells, skip_plumbing_frames, user_frames
+
+PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's code, not in the worker loop
 
 TICK_SECONDS = 0.2      # how often a waiting notebook looks up, e.g. to redraw grouped output
 DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, so a longer wait is a hang
@@ -154,6 +156,11 @@ class WorkerGroup:
         self._busy = False
         return [replies[r][1] for r in ranks]
 
+    def mark_idle(self) -> None:
+        """Every rank waits for work again (after a caller such as World repaired a failed task itself), so
+        close() may let them finish cleanly instead of killing them."""
+        self._busy = False
+
     def select(self, ranks: list[int] | None) -> list[int]:
         """``ranks`` sorted, each once (default: every rank); a ValueError for ranks this group does not have."""
         ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
@@ -164,9 +171,9 @@ class WorkerGroup:
 
     def submit(self, fn: Callable, kwargs: dict | None, ranks: list[int]) -> None:
         """Send ``fn(rank, world_size, **kwargs)`` to ``ranks``; ``collect`` gathers the replies."""
-        sources = {name: entry for name, entry in _interactive_sources().items() if name not in self._sent_sources}
+        sources = {name: entry for name, entry in interactive_sources().items() if name not in self._sent_sources}
         self._sent_sources.update(sources)
-        task = _dumps((fn, kwargs or {}, sources))
+        task = dumps((fn, kwargs or {}, sources))
         self._busy = True
         for r in ranks:
             self.conns[r].send_bytes(task)
@@ -217,7 +224,7 @@ class WorkerGroup:
         if kind == "ok":
             return "ok", payload[0]
         when, summary, tb = payload
-        return "error", RankError(rank, summary, _name_cells(tb), when)
+        return "error", RankError(rank, summary, name_cells(tb), when)
 
     def stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """Ask each hung rank to print its Python stack (faulthandler on SIGUSR1) and collect the text."""
@@ -235,7 +242,7 @@ class WorkerGroup:
             self._flush_partial_lines()
         finally:
             self.on_output = relay
-        return {r: _name_cells(_user_frames("".join(lines))) for r, lines in captured.items()}
+        return {r: name_cells(user_frames("".join(lines))) for r, lines in captured.items()}
 
     def _pump_output(self):
         """Move whatever the ranks printed into ``on_output``, one complete line at a time."""
@@ -353,57 +360,6 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, except that code keeps its file name (cloudpickle writes '<dynamic-code>'), so a
-    rank's traceback can show the lines of the notebook cell or script the code came from."""
-
-    dispatch_table = collections.ChainMap({types.CodeType: lambda code: _keep_filename(code)},
-                                          cloudpickle.Pickler.dispatch_table)
-
-
-def _keep_filename(code):
-    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
-    return make, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
-
-
-def _dumps(obj) -> bytes:
-    buffer = io.BytesIO()
-    _Pickler(buffer).dump(obj)
-    return buffer.getvalue()
-
-
-def _user_frames(stack: str) -> str:
-    """A faulthandler dump, cut where the learner's code was called from this module."""
-    lines = stack.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if any(f'"{path}"' in line for path in PLUMBING_FILES):
-            return "".join(lines[:i])
-    return stack
-
-
-def _name_cells(text: str) -> str:
-    """Shorter file names in a rank's traceback: 'Cell In[3]' (as IPython writes it) for the kernel's temporary
-    file of a notebook cell, '.../site-packages/torch/...' for installed packages, 'course_lib/...' for ours."""
-    text = re.sub(r'File "[^"]*/site-packages/', 'File ".../site-packages/', text)
-    text = text.replace(f'File "{os.path.dirname(os.path.dirname(__file__))}/', 'File "')  # course_lib/...
-    try:
-        from IPython import get_ipython
-        compiler = get_ipython().compile
-    except (ImportError, AttributeError):
-        return text
-    for filename in set(re.findall(r'File "([^"]+)"', text)):
-        cell = compiler.format_code_name(filename) if hasattr(compiler, "format_code_name") else None
-        if cell:
-            text = text.replace(f'File "{filename}"', " ".join(cell))
-    return text
-
-
-def _interactive_sources() -> dict:
-    """Source lines of code typed into notebook cells (IPython keeps them in ``linecache`` only)."""
-    return {name: entry for name, entry in linecache.cache.items()
-            if len(entry) == 4 and entry[1] is None and not os.path.exists(name)}
-
-
 # ----------------------------------------------------------------------------------------------------
 # Inside a worker process
 
@@ -474,18 +430,8 @@ def _send_uninterrupted(conn, data: bytes) -> None:
 def _reply_error(conn, exc: BaseException) -> None:
     when = time.monotonic()  # one clock for all processes on this machine: the earliest error is the cause
     summary = f"{type(exc).__name__}: {exc}"
-    tb = "".join(traceback.format_exception(type(exc), exc, _skip_own_frames(exc.__traceback__)))
+    tb = "".join(traceback.format_exception(type(exc), exc, skip_plumbing_frames(exc.__traceback__)))
     _send_uninterrupted(conn, cloudpickle.dumps(("error", when, summary, tb)))
-
-
-PLUMBING_FILES = {__file__}  # modules whose frames a learner need not see (world.py adds itself)
-
-
-def _skip_own_frames(tb):
-    """Start the traceback at the learner's code, not at the worker loop that called it."""
-    while tb is not None and tb.tb_frame.f_code.co_filename in PLUMBING_FILES and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb
 
 
 def _to_cpu(value):

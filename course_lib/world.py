@@ -33,8 +33,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .workers import (DEFAULT_TIMEOUT, PLUMBING_FILES, RankError, RankTimeout, WorkerGroup, destroy_group,
-                      init_group, sigint_ignored)
+from .tracebacks import PLUMBING_FILES
+from .workers import (
+    DEFAULT_TIMEOUT,
+    RankError,
+    RankTimeout,
+    WorkerGroup,
+    destroy_group,
+    init_group,
+    sigint_ignored,
+)
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
@@ -210,7 +218,7 @@ class World:
             return CellOutcome(self._results(ranks, replies), "restarted", (note + "; " if note else "") +
                                f"ranks {gone} did not respond, so all {self.world_size} ranks were restarted: "
                                "their variables are lost")
-        self.group._busy = False
+        self.group.mark_idle()
         return CellOutcome(self._results(ranks, replies), world, note)
 
     def _rejoin(self) -> list[int]:

@@ -45,7 +45,9 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm, wire_bytes
-from .ledger import ZERO_STAGES, MixedPrecisionAdam, check_zero_stage, measure_state_bytes
+from .ledger import ZERO_STAGES, check_zero_stage
+from .measure import measure_state_bytes
+from .mixed_precision import MixedPrecisionAdam
 
 STAGES = ZERO_STAGES
 
@@ -292,10 +294,11 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     import functools
     import warnings
 
+    from .comm import bytes_written
     from .data import SyntheticTokens
-    from .ddp import bytes_written, wrap
     from .launch import device
     from .model import build, loss_fn, preset
+    from .runs.ddp import wrap
 
     warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's notice on reduce_scatter/all_gather
     if impl not in IMPLEMENTATIONS:

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.comm import Comm
-from course_lib.data import SyntheticTokens
-from course_lib.ddp import DDP_KINDS, MiB, micro_batches, phase_seconds, replica_spread, train_step, wrap
+from course_lib.data import SyntheticTokens, micro_batches
 from course_lib.model import build, preset
+from course_lib.runs.ddp import DDP_KINDS, phase_seconds, replica_spread, train_step, wrap
+from course_lib.units import MiB
 
 KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 

@@ -19,8 +19,9 @@ import statistics
 
 from common import lab_parser, model_overrides, reports
 from course_lib import launch
-from course_lib.mesh import Mesh, params_per_rank, sent_bytes_per_rank, train_3d
+from course_lib.mesh import Mesh, params_per_rank, sent_bytes_per_rank
 from course_lib.model import preset
+from course_lib.runs.mesh import train_3d
 
 
 def main():

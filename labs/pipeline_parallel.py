@@ -22,7 +22,8 @@ import json
 from common import lab_parser, model_overrides, reports
 from course_lib import launch
 from course_lib.model import build, preset
-from course_lib.pipeline_parallel import Timeline, bubble_fraction, pipeline_sweep, single_process_step
+from course_lib.pipeline_parallel import Timeline, bubble_fraction
+from course_lib.runs.pipeline import pipeline_sweep, single_process_step
 
 
 def main():

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from course_lib import launch
-from course_lib.comm import BUS_FACTOR, RING_FACTOR, Comm, CostModel, measure_bandwidth, wire_bytes
-from course_lib.ddp import bytes_written
+from course_lib.comm import BUS_FACTOR, RING_FACTOR, Comm, CostModel, bytes_written, measure_bandwidth, wire_bytes
 
 N = 1200  # float32 elements: divisible by 2, 3 and 4, so every shard is whole
 

@@ -18,11 +18,12 @@ import torch.nn as nn
 
 from course_lib import launch
 from course_lib.comm import Comm, wire_bytes
-from course_lib.data import SyntheticTokens
-from course_lib.ddp import (MiB, BucketedDDP, NaiveDDP, bucket_indices, micro_batches, phase_seconds,
-                            ring_all_reduce, run_data_parallel, wrap)
+from course_lib.data import SyntheticTokens, micro_batches
+from course_lib.ddp import BucketedDDP, NaiveDDP, bucket_indices, ring_all_reduce
 from course_lib.model import build, count_params, preset
+from course_lib.runs.ddp import phase_seconds, run_data_parallel, wrap
 from course_lib.train import training_step
+from course_lib.units import MiB
 
 STEPS, LR = 3, 0.1
 DTYPE, VALUE_BYTES = torch.float64, 8

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, gone, run_cell, wait_for_pids
-
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
 
 

@@ -5,10 +5,18 @@ import torch
 
 from course_lib import launch
 from course_lib.data import SyntheticTokens
-from course_lib.ledger import (CONVENTIONS, GiB, MixedPrecisionAdam, SavedActivations, TiB, activation_bytes,
-                               deepspeed_estimate, gpt3_layer_terms, gpt_activation_bytes, measure_state_bytes,
-                               measure_step, zero_state_bytes)
+from course_lib.ledger import (
+    CONVENTIONS,
+    activation_bytes,
+    deepspeed_estimate,
+    gpt3_layer_terms,
+    gpt_activation_bytes,
+    zero_state_bytes,
+)
+from course_lib.measure import SavedActivations, measure_state_bytes, measure_step
+from course_lib.mixed_precision import MixedPrecisionAdam
 from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.units import GiB, TiB
 
 TINY_PARAMS = 164_416
 

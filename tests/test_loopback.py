@@ -9,9 +9,8 @@ import ipaddress
 
 import psutil
 
-from course_lib import World
-
 from conftest import gone
+from course_lib import World
 
 
 def listening(process: psutil.Process) -> list:

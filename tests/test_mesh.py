@@ -10,12 +10,12 @@ import torch.distributed as dist
 
 from course_lib import RankError, launch
 from course_lib.data import SyntheticTokens
-from course_lib.ledger import GiB
-from course_lib.mesh import (Mesh, global_losses, make_comms, max_parameter_gap, params_per_rank,
-                             sent_bytes_per_rank, train_3d, train_torch_2d)
+from course_lib.mesh import Mesh, make_comms, params_per_rank, sent_bytes_per_rank
 from course_lib.model import ModelConfig, build, count_params, param_count_formula, preset
 from course_lib.plan import bad_smells, need_per_gpu, plan
+from course_lib.runs.mesh import global_losses, max_parameter_gap, train_3d, train_torch_2d
 from course_lib.train import training_step
+from course_lib.units import GiB
 
 GB = 10**9
 # float64: the three splits change only the order of additions (TP's partial sums, the micro-batches' sum,

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from course_lib.data import SyntheticTokens, shard
-from course_lib.model import (GPT, ModelConfig, apply_rope, build, count_params, loss_fn,
-                              param_count_formula, preset, PRESETS)
+from course_lib.model import (
+    GPT,
+    PRESETS,
+    ModelConfig,
+    apply_rope,
+    build,
+    count_params,
+    loss_fn,
+    param_count_formula,
+    preset,
+)
 
 # Published parameter counts of the real models (Qwen2 includes its q/k/v biases).
 PUBLISHED_COUNTS = {

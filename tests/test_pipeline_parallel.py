@@ -11,9 +11,18 @@ import torch
 
 from course_lib import RankError, launch
 from course_lib.model import GPT, build, preset
-from course_lib.pipeline_parallel import (Event, Timeline, bubble_fraction, make_stage, partition_layers,
-                                          pipeline_makespan, pipeline_sweep, pipeline_worker, schedule_actions,
-                                          simulate, single_process_step, split_microbatches, torch_pipeline_step)
+from course_lib.pipeline_parallel import (
+    Event,
+    Timeline,
+    bubble_fraction,
+    make_stage,
+    partition_layers,
+    pipeline_makespan,
+    schedule_actions,
+    simulate,
+    split_microbatches,
+)
+from course_lib.runs.pipeline import pipeline_sweep, pipeline_worker, single_process_step, torch_pipeline_step
 
 # In float64 the pipeline changes only the order of additions (a weight's gradient is the sum of m
 # micro-batch gradients instead of one batch gradient; the loss a sum of m means / m): rounding at ~1e-16

@@ -12,8 +12,17 @@ from course_lib import RankError, launch
 from course_lib.comm import Comm, wire_bytes
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, loss_fn, preset
-from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, apply_tp, check_tp_divisible,
-                                        dtensor_plan, f, g, tp_allreduce_bytes, tp_step_traffic)
+from course_lib.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    apply_tp,
+    check_tp_divisible,
+    dtensor_plan,
+    f,
+    g,
+    tp_allreduce_bytes,
+    tp_step_traffic,
+)
 
 # Tolerances. In float64 the split changes only the order of additions (a row layer adds p partial products
 # where the dense layer adds all in one matmul), so the two sides differ by rounding: ~1e-16 relative per op,

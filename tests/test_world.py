@@ -5,13 +5,13 @@ kernel, the way a learner does (interrupts included).
 """
 
 import time
+
 import psutil
 import pytest
 import torch
 
-from course_lib import RankError, RankTimeout, World
-
 from conftest import gone, run_cell
+from course_lib import RankError, RankTimeout, World
 
 
 @pytest.fixture(scope="module")

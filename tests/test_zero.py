@@ -22,9 +22,10 @@ import torch
 from course_lib import RankError, launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
-from course_lib.ledger import measure_state_bytes, zero_state_bytes
+from course_lib.ledger import zero_state_bytes
+from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
-from course_lib.zero import (ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step)
+from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step
 
 STEPS = 3
 TINY = preset("tiny")
