@@ -7,7 +7,17 @@ gets a hint instead of an error, so a notebook runs top to bottom before the lea
 import torch
 import torch.distributed as dist
 
+from .comm import Comm
+from .ddp import BucketedDDP
 from .launch import RankError, launch
+from .ledger import ZERO_STAGES
+from .measure import SavedActivations
+from .mesh import Mesh
+from .model import MLP, build, preset
+from .pipeline_parallel import bubble_fraction, pipeline_makespan, simulate
+from .plan import bad_smells, need_per_gpu
+from .runs.pipeline import pipeline_worker, single_process_step
+from .units import GiB
 
 NOT_DONE = "Not done yet: replace `raise NotImplementedError` with your code, then run this cell again."
 
@@ -56,8 +66,6 @@ def check_mlp_saved_bytes(mlp_saved_bytes) -> bool:
     """01: ``mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_per_value)`` must predict the
     bytes the course's SwiGLU MLP saves for backward, given an input that requires grad. Checked against a
     measurement (SavedActivations) at several shapes and two precisions."""
-    from .measure import SavedActivations
-    from .model import MLP, preset
 
     trials = [(2, 8, 16, 32, torch.float32), (3, 5, 64, 96, torch.bfloat16), (1, 1, 16, 8, torch.float32),
               (4, 16, 32, 128, torch.bfloat16)]
@@ -92,7 +100,6 @@ def check_copy_to_tp_region(MyCopy) -> bool:
     """04: ``MyCopy`` must be Megatron's f as a torch.autograd.Function: ``MyCopy.apply(x, comm)`` returns x
     unchanged (no communication) and its backward all-reduces the gradient with ``comm.all_reduce`` (one
     call). Checked on 2 ranks in front of a column-parallel layer, against the dense layer's input gradient."""
-    from .comm import Comm
 
     def trial(rank, world_size):
         torch.manual_seed(0)                              # the same x and dense W on every rank
@@ -142,8 +149,6 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
     gradient accumulation on a ``course_lib.ddp.BucketedDDP``: every micro-batch's forward and backward,
     gradients all-reduced once (after the last micro-batch), then the update. Checked on ``world_size`` ranks
     against one process on the global batch, and by counting the all-reduces it issued."""
-    from .comm import Comm
-    from .ddp import BucketedDDP
 
     def trial(rank, world_size):
         torch.manual_seed(0)
@@ -206,9 +211,6 @@ def check_one_f_one_b(actions) -> bool:
     ("F", k) and ("B", k). Checked by simulation for several (p, m): valid and deadlock-free, as fast as the
     formula (m + p - 1)·(t_f + t_b), and at most min(p - s, m) micro-batches in flight on stage s; then run
     for real on 3 ranks, with loss and gradients against one process."""
-    from .model import build, preset
-    from .pipeline_parallel import bubble_fraction, pipeline_makespan, simulate
-    from .runs.pipeline import pipeline_worker, single_process_step
 
     for p, m in [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8)]:
         try:
@@ -258,7 +260,6 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
     every rank's ``flat_grad``: with n elements on N ranks, S = ceil(n/N), elements [r·S, (r+1)·S) of the mean,
     zero past the end (the last shard is padded), using one ``comm.reduce_scatter`` and nothing else.
     Checked on 2 ranks (10 elements: even) and 3 ranks (10 elements: uneven)."""
-    from .comm import Comm
 
     def trial(rank, world_size, n):
         comm = Comm()
@@ -313,12 +314,6 @@ def check_3d_layout(layout) -> bool:
     dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
     into dp shares of num_microbatches equal micro-batches; no bad smell (plan.bad_smells: TP across nodes,
     ZeRO-2/3 with a pipeline); the training state fits (plan.need_per_gpu); the bubble stays under 20%."""
-    from .ledger import ZERO_STAGES
-    from .mesh import Mesh
-    from .model import preset
-    from .pipeline_parallel import bubble_fraction
-    from .plan import bad_smells, need_per_gpu
-    from .units import GiB
 
     config, num_gpus, gpus_per_node, card, batch = preset("llama2-70b"), 32, 8, 80 * GiB, 64
     try:

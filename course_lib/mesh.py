@@ -1,4 +1,4 @@
-"""The dp × tp × pp grid of ranks, its process groups, and one training step that uses all three.
+"""The dp × tp × pp grid of ranks, its process groups, and the course model split over all three.
 
 A world of N = dp · tp · pp ranks is a 3-D grid. Rank r sits at coordinates (pp_rank, dp_rank, tp_rank):
 
@@ -16,9 +16,11 @@ Every rank belongs to exactly one group along each axis: the ranks that differ f
 * PP group (pp ranks): one stage each; send activations forward, their gradients backward.
 * DP group (dp ranks): the same (tp, pp) piece of the model on different data; all-reduce gradients once a step.
 
-``train_3d`` puts the three together on the course model, with the modules of the earlier lessons:
-``apply_tp`` over the TP group, ``make_stage`` + ``pipeline_step`` over the PP group, a gradient all-reduce
-over the DP group. Each rank holds 1/(tp·pp) of the layers' weights (``params_per_rank`` counts them exactly).
+``parallelize_3d`` puts the three together on the course model, with the modules of the earlier lessons and
+apart from any training loop (torchtitan's shape): ``apply_tp`` over the TP group, ``make_stage`` over the PP
+group, a gradient all-reduce over the DP group (02's NaiveDDP); a step then runs ``pipeline_step`` over the PP
+group (course_lib.runs.mesh.train_3d). Each rank holds 1/(tp·pp) of the layers' weights (``params_per_rank``
+counts them exactly).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm, wire_bytes
+from .ddp import NaiveDDP
 from .model import layer_projection_params
-from .pipeline_parallel import partition_layers
-from .tensor_parallel import check_tp_divisible, tp_allreduce_bytes
+from .pipeline_parallel import make_stage, partition_layers
+from .tensor_parallel import apply_tp, check_tp_divisible, tp_allreduce_bytes
 
 AXES = ("pp", "dp", "tp")   # slowest to fastest: the order of the coordinates, and of Mesh.grid()'s dims
 
@@ -117,6 +120,17 @@ def make_comms(mesh: Mesh, rank: int) -> dict[str, Comm]:
             if rank in ranks:
                 comms[axis] = Comm(group)
     return comms
+
+
+def parallelize_3d(model: torch.nn.Module, mesh: Mesh, comms: dict[str, Comm], rank: int) -> NaiveDDP:
+    """``model`` (the whole course model, the same on every rank) cut down, in place, to this rank's piece:
+    its heads and MLP slice (TP), its layers (PP), wrapped so that ``finish_gradient_sync()`` averages its
+    gradients over the DP group. Returns the wrapper; its ``.module`` is the stage for ``pipeline_step``."""
+    mesh.check_model(model.config)
+    if mesh.tp > 1:
+        apply_tp(model, comms["tp"])
+    stage = make_stage(model, mesh.coords(rank)["pp"], partition_layers(model.config.num_layers, mesh.pp))
+    return NaiveDDP(stage, comms["dp"])
 
 
 # ----------------------------------------------------------------------------------- what each rank holds

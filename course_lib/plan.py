@@ -98,68 +98,97 @@ def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, conve
     """The layout the three questions lead to for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each."""
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
-    budget = gpu_bytes - reserve_bytes
-    node = min(gpus_per_node, num_gpus)
-    answers = []
-
-    def first_fit(mesh, stages=range(4)):
-        return next((s for s in stages if need_per_gpu(config, mesh, s, convention) <= budget), None)
-
-    # 1. The state: the DDP / ZeRO ladder over every GPU.
-    ladder = {s: state_per_gpu(config, Mesh(dp=num_gpus), s, convention)["total"] for s in range(4)}
-    rungs = ", ".join(f"{stage_name(s)} {_size(n)}" for s, n in ladder.items())
-    stage = next((s for s, n in ladder.items() if n <= budget), None)
+    ask = _Questions(config, num_gpus, gpu_bytes - reserve_bytes, min(gpus_per_node, num_gpus), convention)
+    stage, ladder = ask.does_the_state_fit()
     if stage is None:
         whole = CONVENTIONS[convention].total * param_count_formula(config)
-        answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; none fits in {_size(budget)}: "
-                       f"{_size(whole)} of state needs at least {math.ceil(whole / budget)} such GPUs")
-        return Plan(None, None, ladder[3], budget, answers, math.ceil(whole / budget))
-    answers.append(f"state per GPU over {num_gpus} GPUs: {rungs}; first that fits in {_size(budget)}: "
-                   f"{stage_name(stage)}")
+        return Plan(None, None, ladder[3], ask.budget, ask.answers, math.ceil(whole / ask.budget))
+    tp = ask.does_one_layer_fit(stage, ladder[3])
+    layout = ask.where_are_the_node_boundaries(tp)
+    if layout is None:
+        return Plan(None, None, ladder[3], ask.budget, ask.answers)
+    mesh, stage = layout
+    return Plan(mesh, stage, need_per_gpu(config, mesh, stage, convention), ask.budget, ask.answers)
 
-    # 2. One layer: with ZeRO-3 it is gathered whole beside the shards; split it (TP, in a node) if it does not fit.
-    layer = gathered_layer_bytes(config, 1, convention)
-    tp = 1
-    if stage == 3 and ladder[3] + layer > budget:
-        tp = next((t for t in range(2, node + 1) if node % t == 0 and _tp_ok(config, t)
-                   and ladder[3] + layer / t <= budget), None)
+
+@dataclass
+class _Questions:
+    """The three questions for one model and cluster; each appends its answer, with numbers, to ``answers``."""
+    config: object
+    num_gpus: int
+    budget: int
+    node: int                 # GPUs per node (or all of them, if fewer)
+    convention: str
+    answers: list[str] = field(default_factory=list)
+
+    def first_fit(self, mesh: Mesh, stages=range(4)) -> int | None:
+        return next((s for s in stages if need_per_gpu(self.config, mesh, s, self.convention) <= self.budget), None)
+
+    def does_the_state_fit(self) -> tuple[int | None, dict[int, int]]:
+        """1. The DDP / ZeRO ladder over every GPU: the first rung that fits (None: none does)."""
+        ladder = {s: state_per_gpu(self.config, Mesh(dp=self.num_gpus), s, self.convention)["total"] for s in range(4)}
+        rungs = ", ".join(f"{stage_name(s)} {_size(n)}" for s, n in ladder.items())
+        stage = next((s for s, n in ladder.items() if n <= self.budget), None)
+        if stage is None:
+            whole = CONVENTIONS[self.convention].total * param_count_formula(self.config)
+            self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; none fits in "
+                                f"{_size(self.budget)}: {_size(whole)} of state needs at least "
+                                f"{math.ceil(whole / self.budget)} such GPUs")
+        else:
+            self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; first that fits in "
+                                f"{_size(self.budget)}: {stage_name(stage)}")
+        return stage, ladder
+
+    def does_one_layer_fit(self, stage: int, shards: int) -> int:
+        """2. With ZeRO-3 a layer is gathered whole beside the ``shards``; if it does not fit, split it (TP, in a
+        node). Returns the TP degree."""
+        layer = gathered_layer_bytes(self.config, 1, self.convention)
+        if stage != 3 or shards + layer <= self.budget:
+            self.answers.append(f"one layer gathered whole is {_size(layer)}: it fits, its size forces no TP")
+            return 1
+        tp = next((t for t in range(2, self.node + 1) if self.node % t == 0 and _tp_ok(self.config, t)
+                   and shards + layer / t <= self.budget), None)
         if tp is None:
             raise ValueError(f"one layer's weights and gradients ({_size(layer)}) do not fit beside the shards "
-                             f"({_size(ladder[3])}) in {_size(budget)}, even split over the {node} GPUs of a node")
-        answers.append(f"one layer gathered whole is {_size(layer)}, beside {_size(ladder[3])} of shards > "
-                       f"{_size(budget)}: TP={tp} inside a node")
-    else:
-        answers.append(f"one layer gathered whole is {_size(layer)}: it fits, its size forces no TP")
+                             f"({_size(shards)}) in {_size(self.budget)}, even split over the {self.node} GPUs "
+                             "of a node")
+        self.answers.append(f"one layer gathered whole is {_size(layer)}, beside {_size(shards)} of shards > "
+                            f"{_size(self.budget)}: TP={tp} inside a node")
+        return tp
 
-    # 3. Node boundaries: keep the model inside one node if its sharded state fits there.
-    if first_fit(Mesh(dp=node // tp, tp=tp)) is not None:
-        mesh = Mesh(dp=num_gpus // tp, tp=tp)
-        stage = first_fit(mesh)
-        where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
-        answers.append(f"the model fits in one node of {node} GPUs: "
-                       + (f"its TP group stays inside a node and {where}" if tp > 1 else where))
-    else:   # it must span nodes: TP takes the node, PP crosses nodes, ZeRO-1 at most with a pipeline
-        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(config, t))
-        layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp) for pp in range(2, config.num_layers + 1)
-                   if num_gpus % (node_tp * pp) == 0]
+    def where_are_the_node_boundaries(self, tp: int) -> tuple[Mesh, int] | None:
+        """3. Keep the model inside one node if its sharded state fits there; else TP takes the node, PP
+        crosses nodes, ZeRO-1 at most with a pipeline (or, if no pipeline fits, ZeRO-3 across nodes)."""
+        node, num_gpus = self.node, self.num_gpus
+        if self.first_fit(Mesh(dp=node // tp, tp=tp)) is not None:
+            mesh = Mesh(dp=num_gpus // tp, tp=tp)
+            where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
+            self.answers.append(f"the model fits in one node of {node} GPUs: "
+                                + (f"its TP group stays inside a node and {where}" if tp > 1 else where))
+            return mesh, self.first_fit(mesh)
+        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(self.config, t))
+        layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp)
+                   for pp in range(2, self.config.num_layers + 1) if num_gpus % (node_tp * pp) == 0]
         # ZeRO-1 whenever there is a dp axis: it costs no more traffic than DDP and leaves room for activations
         found = [(m, s) for m in layouts for s in ((1,) if m.dp > 1 else (0,))
-                 if need_per_gpu(config, m, s, convention) <= budget]
+                 if need_per_gpu(self.config, m, s, self.convention) <= self.budget]
         groups = "one TP group" if node_tp == node else f"{node // node_tp} TP groups of {node_tp}"
         if found:
             mesh, stage = found[0]
-            answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node holds "
-                           f"{groups} (TP talks in every layer: it needs the node's fast links), PP={mesh.pp} "
-                           "crosses nodes, " + (f"ZeRO-1 over the dp group of {mesh.dp} (free: DDP's traffic)"
-                                                if mesh.dp > 1 else "no data parallelism left"))
-        elif first_fit(Mesh(dp=num_gpus // tp, tp=tp), (3,)) is not None:   # no pipeline fits: ZeRO-3 across nodes
-            mesh, stage = Mesh(dp=num_gpus // tp, tp=tp), 3
-            answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline with ZeRO-1 does: "
-                           f"ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes (1.5× DDP's traffic)")
-        else:
-            answers.append(f"no layout of {num_gpus} GPUs holds the state and one gathered layer")
-            return Plan(None, None, ladder[3], budget, answers)
-    return Plan(mesh, stage, need_per_gpu(config, mesh, stage, convention), budget, answers)
+            self.answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node "
+                                f"holds {groups} (TP talks in every layer: it needs the node's fast links), "
+                                f"PP={mesh.pp} crosses nodes, "
+                                + (f"ZeRO-1 over the dp group of {mesh.dp} (free: DDP's traffic)"
+                                   if mesh.dp > 1 else "no data parallelism left"))
+            return mesh, stage
+        if self.first_fit(Mesh(dp=num_gpus // tp, tp=tp), (3,)) is not None:   # no pipeline fits: ZeRO-3
+            mesh = Mesh(dp=num_gpus // tp, tp=tp)
+            self.answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline with ZeRO-1 "
+                                f"does: ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes (1.5× DDP's "
+                                "traffic)")
+            return mesh, 3
+        self.answers.append(f"no layout of {num_gpus} GPUs holds the state and one gathered layer")
+        return None
 
 
 def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | None = None,

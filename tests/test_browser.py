@@ -20,6 +20,8 @@ import pytest
 
 from conftest import REPO, gone
 
+pytestmark = pytest.mark.browser   # run apart with: pytest -m browser
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
     if os.environ.get("COURSE_REQUIRE_BROWSER") == "1":

@@ -9,6 +9,8 @@ import torch
 from course_lib import launch
 from course_lib.comm import BUS_FACTOR, RING_FACTOR, Comm, CostModel, bytes_written, measure_bandwidth, wire_bytes
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 N = 1200  # float32 elements: divisible by 2, 3 and 4, so every shard is whole
 
 

@@ -25,6 +25,8 @@ from course_lib.runs.ddp import phase_seconds, run_data_parallel, wrap
 from course_lib.train import training_step
 from course_lib.units import MiB
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 STEPS, LR = 3, 0.1
 DTYPE, VALUE_BYTES = torch.float64, 8
 F64 = 1e-9   # see the module docstring

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from conftest import REPO, gone, run_cell, wait_for_pids
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 
 def rank_sum(rank, world_size, offset=0):
     t = torch.tensor([float(rank + offset)])

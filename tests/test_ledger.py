@@ -252,6 +252,7 @@ def _zero1_rank(rank, world_size):
     return measure_state_bytes(model, optimizer)
 
 
+@pytest.mark.ranks
 def test_zero1_ranks_split_optimizer_state_exactly():
     params = (32 * 64 + 64) + (64 * 16 + 16) + (16 * 8 + 8)
     states = launch(_zero1_rank, 2, timeout=60)

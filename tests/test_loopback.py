@@ -8,9 +8,12 @@ we list the listening TCP sockets of this process and of every process below it 
 import ipaddress
 
 import psutil
+import pytest
 
 from conftest import gone
 from course_lib import World
+
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
 
 def listening(process: psutil.Process) -> list:

@@ -24,6 +24,8 @@ from course_lib.pipeline_parallel import (
 )
 from course_lib.runs.pipeline import pipeline_sweep, pipeline_worker, single_process_step, torch_pipeline_step
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 # In float64 the pipeline changes only the order of additions (a weight's gradient is the sum of m
 # micro-batch gradients instead of one batch gradient; the loss a sum of m means / m): rounding at ~1e-16
 # relative, measured ≤ 1e-16 on the tiny model. 1e-12 is far above that and far below any real mistake

@@ -24,6 +24,8 @@ from course_lib.tensor_parallel import (
     tp_step_traffic,
 )
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 # Tolerances. In float64 the split changes only the order of additions (a row layer adds p partial products
 # where the dense layer adds all in one matmul), so the two sides differ by rounding: ~1e-16 relative per op,
 # ~1e-14 after a forward and backward of 4 layers (measured: 6e-15 on logits). Adam divides by sqrt(v), which

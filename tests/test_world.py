@@ -13,6 +13,8 @@ import torch
 from conftest import gone, run_cell
 from course_lib import RankError, RankTimeout, World
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 
 @pytest.fixture(scope="module")
 def world():

@@ -27,6 +27,8 @@ from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
 from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step
 
+pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
+
 STEPS = 3
 TINY = preset("tiny")
 P = count_params(TINY)

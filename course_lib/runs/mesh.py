@@ -14,13 +14,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from tqdm import tqdm
 
 from ..data import SyntheticTokens, shard
-from ..ddp import NaiveDDP
 from ..launch import device
 from ..measure import measure_state_bytes
-from ..mesh import Mesh, make_comms
+from ..mesh import Mesh, make_comms, parallelize_3d
 from ..model import build, loss_fn, preset
-from ..pipeline_parallel import make_stage, partition_layers, pipeline_step
-from ..tensor_parallel import apply_tp, dtensor_plan
+from ..pipeline_parallel import pipeline_step
+from ..tensor_parallel import dtensor_plan
 
 
 def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, num_microbatches: int = 2,
@@ -40,10 +39,8 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     comms = make_comms(mesh, rank)
 
     model = build(config, seed=seed, device=device(), dtype=dtype)   # every rank draws the whole model, keeps its piece
-    if tp > 1:
-        apply_tp(model, comms["tp"])
-    stage = make_stage(model, where["pp"], partition_layers(config.num_layers, pp))
-    data_parallel = NaiveDDP(stage, comms["dp"])   # 02's gradient averaging, over this rank's dp group
+    data_parallel = parallelize_3d(model, mesh, comms, rank)
+    stage = data_parallel.module
     optimizer = torch.optim.Adam(stage.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     losses, seconds = [], []

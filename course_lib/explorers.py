@@ -1,11 +1,25 @@
 """ipywidgets panels the notebooks share. Each computes what it shows for real, caching what it has run."""
 
+import os
+
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+import torch
 from IPython.display import display
 
 from . import plots
+from .ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
+from .mesh import Mesh
+from .model import ModelConfig, build, param_count_formula, preset
+from .pipeline_parallel import Timeline, bubble_fraction, simulate
+from .plan import bad_smells, plan, stage_name, state_per_gpu
+from .runs.ddp import phase_seconds, run_data_parallel
+from .runs.pipeline import pipeline_worker
+from .runs.tensor_parallel import measure_tp_speed
 from .train import tiny_loss_curve
+from .units import GiB
+from .workers import WorkerGroup
+from .zero import wire_bytes_per_step
 
 LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
@@ -53,7 +67,6 @@ def learning_rate_explorer(rates=LEARNING_RATES, value=1e-2, steps=40):
 
 def _explorer_configs():
     """Models of the memory explorer: the course presets, and TinyLlama-1.1B's published config as "1B"."""
-    from .model import ModelConfig, preset
     long = 1 << 16       # allow every sequence length of the slider; it changes no parameter count
     return {
         "tiny": preset("tiny", max_seq_len=long),
@@ -66,7 +79,6 @@ def _explorer_configs():
 
 def _custom_config(hidden: int, num_layers: int):
     """A Llama-shaped model: heads of 128, SwiGLU width 8/3·hidden rounded up to a multiple of 256."""
-    from .model import ModelConfig
     intermediate = -(-8 * hidden // 3 // 256) * 256
     return ModelConfig(vocab_size=32000, hidden=hidden, num_layers=num_layers, num_heads=max(1, hidden // 128),
                        intermediate=intermediate, max_seq_len=1 << 16)
@@ -83,11 +95,7 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
     "selective" changes nothing there) and the GPT-3 formula's (activation_bytes, 16-bit, with the s² term
     unless recomputed). Weights, grads and optimizer state are the same in both: zero_state_bytes, stage 0.
     """
-    import torch
 
-    from .ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
-    from .model import param_count_formula
-    from .units import GiB
 
     configs = _explorer_configs()
     def powers(lo, hi):
@@ -148,53 +156,6 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
 
 # ---- 04 · tensor parallelism --------------------------------------------------------------------------
 
-def tp_speed_config(hidden: int, num_layers: int = 2):
-    """The tiny model made wider, in its own proportions (model.widened)."""
-    from .model import preset, widened
-    return preset("tiny", num_layers=num_layers, **widened(hidden))
-
-
-def _tp_vs_one_rank(rank, world_size, hiddens, num_layers, batch_size, seq_len, repeats):
-    import torch
-
-    from .comm import Comm
-    from .data import SyntheticTokens
-    from .model import build
-    from .tensor_parallel import apply_tp, step_seconds
-
-    torch.set_num_threads(1)     # one core per rank, as one GPU per rank: "one rank" is one device
-    comm, rows = Comm(), []
-    for hidden in hiddens:
-        config = tp_speed_config(hidden, num_layers)
-        inputs, targets = SyntheticTokens(config.vocab_size, seq_len, seed=0).batch(0, batch_size)
-        whole = build(config, seed=0) if rank == 0 else None
-        split = apply_tp(build(config, seed=0), comm)
-        one_rank_runs, tp_runs = [], []
-        for i in range(1 + repeats):   # round 0 warms up; one-rank and TP runs alternate, so both meet the same
-            if rank == 0:              # neighbours (on a shared laptop they only ever add time: keep the fastest)
-                one_rank_runs.append(step_seconds(whole, inputs, targets, repeats=1, warmup=0))
-            comm.barrier()             # the other ranks wait (asleep) while rank 0 runs the whole model alone
-            tp_runs.append(step_seconds(split, inputs, targets, comm, repeats=1, warmup=0))
-        fastest = lambda runs: min(runs[1:], key=lambda r: r["seconds"]) if runs else None  # noqa: E731
-        rows.append({"hidden": hidden, "one_rank": fastest(one_rank_runs), "tp": fastest(tp_runs)})
-    return rows
-
-
-def measure_tp_speed(hiddens, tp: int, *, num_layers: int = 2, batch_size: int = 4, seq_len: int = 64,
-                     repeats: int = 5) -> list[dict]:
-    """For each width: the fastest of ``repeats`` forward + backward passes of the whole model on one rank, and
-    of the same model split over ``tp`` ranks (its slowest rank, and that rank's seconds inside all-reduces)."""
-    from .launch import launch
-
-    per_rank = launch(_tp_vs_one_rank, tp, hiddens=list(hiddens), num_layers=num_layers, batch_size=batch_size,
-                      seq_len=seq_len, repeats=repeats)
-    rows = []
-    for i, hidden in enumerate(hiddens):
-        slowest = max((ranks[i]["tp"] for ranks in per_rank), key=lambda t: t["seconds"])
-        rows.append({"hidden": hidden, "tp": tp, "one_rank_s": per_rank[0][i]["one_rank"]["seconds"],
-                     "tp_s": slowest["seconds"], "comm_s": slowest["comm_seconds"]})
-    return rows
-
 
 def tp_speed_explorer(measured: list[dict] | None = None, hiddens=(64, 128, 256, 512, 1024), tps=(2, 4),
                       hidden: int = 64, tp: int = 2):
@@ -203,7 +164,6 @@ def tp_speed_explorer(measured: list[dict] | None = None, hiddens=(64, 128, 256,
     ``measured``: rows of :func:`measure_tp_speed` already taken (the notebook's sweep), so they are not
     run again. Every point measured stays on the plot.
     """
-    import os
 
     rows = list(measured or [])
     controls = {"hidden": widgets.SelectionSlider(options=list(hiddens), value=hidden, description="hidden size",
@@ -257,8 +217,6 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
     Runs happen live on persistent ranks (one WorkerGroup per world size, started on first use), and are
     cached. ``panel.stop_ranks()`` stops them; ``panel.runs`` maps (ranks, bucket label) → every rank's result.
     """
-    from .runs.ddp import phase_seconds, run_data_parallel
-    from .workers import WorkerGroup
 
     buckets = buckets or DDP_BUCKETS
     groups, runs = {}, {}
@@ -320,10 +278,6 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
     the formula (p-1)/(m+p-1) and the simulated prediction for these costs. Runs are cached (``panel.runs``:
     settings → Timeline) on persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
     """
-    from .model import build, preset
-    from .pipeline_parallel import Timeline, bubble_fraction, simulate
-    from .runs.pipeline import pipeline_worker
-    from .workers import WorkerGroup
 
     weights = build(preset("tiny"), seed=0).state_dict()   # built once here, not on every rank
     groups, runs = {}, {}
@@ -383,10 +337,6 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     ledger.zero_state_bytes) for every stage, against a card, and the bytes each rank sends per step
     (zero.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
     Models: the memory explorer's, the source's round 7.1e9 and 70e9, and a custom Llama-shaped one."""
-    from .ledger import CONVENTIONS, zero_state_bytes
-    from .model import param_count_formula
-    from .units import GiB
-    from .zero import wire_bytes_per_step
 
     configs = _explorer_configs()
     counts = {name: param_count_formula(config) for name, config in configs.items()}
@@ -446,9 +396,6 @@ PLAN_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gpus_per_node=8):
     """Model × GPUs × card → the three questions of plan.plan answered, the state per GPU of every ZeRO rung
     over all the GPUs and of the chosen layout, against the card, and the layout's bad smells, if any."""
-    from .mesh import Mesh
-    from .plan import bad_smells, plan, stage_name, state_per_gpu
-    from .units import GiB
 
     configs = _explorer_configs()
     controls = {
