@@ -6,6 +6,7 @@ gets a hint instead of an error, so a notebook runs top to bottom before the lea
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
 from .comm import Comm
 from .ddp import BucketedDDP
@@ -163,7 +164,7 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         with comm.trace() as log:
             accumulation_step(ddp, optimizer, mine, torch.nn.functional.mse_loss)
         calls = log.summary().get("all_reduce")
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params = parameters_to_vector(model.parameters()).detach()
         return params, calls.count if calls else 0, len(ddp.buckets), rows
 
     results = _run_on_ranks(trial, world_size, timeout=60)
@@ -178,7 +179,7 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         loss = torch.nn.functional.mse_loss(model(x), y) * (1 if divide else num_microbatches)
         loss.backward()
         torch.optim.SGD(model.parameters(), lr=0.5).step()
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return parameters_to_vector(model.parameters()).detach()
 
     params, count, buckets, _ = results[0]
     if count == num_microbatches * buckets:

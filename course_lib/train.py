@@ -33,6 +33,24 @@ def train(model: GPT, data: SyntheticTokens, *, steps: int, lr: float, batch_siz
     return [training_step(model, optimizer, *data.batch(step, batch_size)) for step in range(steps)]
 
 
+OPTIMIZERS = {"adam": lambda params, lr: torch.optim.Adam(params, lr=lr, foreach=False),
+              "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr)}
+
+
+def reference_run(config=None, *, steps: int, batch_size: int, lr: float, optimizer: str = "adam", seq_len: int = 32,
+                dtype=None, seed: int = 0) -> tuple[list[float], GPT]:
+    """The reference every parallel run is checked against: ``config`` (default: the tiny model) trained in one
+    process on each step's whole global batch, with the same data and seed as the ranks. Returns the loss of
+    every step and the trained model."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    config = config or preset("tiny")
+    model = build(config, seed=seed, dtype=dtype)
+    update = OPTIMIZERS[optimizer](model.parameters(), lr)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
+    return [training_step(model, update, *data.batch(step, batch_size)) for step in range(steps)], model
+
+
 def tiny_loss_curve(lr: float, steps: int = 40, batch_size: int = 16, seq_len: int = 32, seed: int = 0):
     """The loss curve of the tiny model on the synthetic data: deterministic in its arguments."""
     config = preset("tiny")

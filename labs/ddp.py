@@ -22,6 +22,7 @@ import platform
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
 from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
@@ -61,7 +62,7 @@ def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batc
             if progress is not None:
                 progress.update()
         results[kind] = {"steps": records, "spread": replica_spread(model, comm),
-                         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(),
+                         "params": parameters_to_vector(model.parameters()).detach().cpu(),
                          "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if progress is not None:
         progress.close()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils import parameters_to_vector
 
 from course_lib import launch
 from course_lib.comm import Comm, wire_bytes
@@ -22,7 +23,7 @@ from course_lib.data import SyntheticTokens, micro_batches
 from course_lib.ddp import BucketedDDP, NaiveDDP, bucket_indices, ring_all_reduce
 from course_lib.model import build, count_params, preset
 from course_lib.runs.ddp import phase_seconds, run_data_parallel, wrap
-from course_lib.train import training_step
+from course_lib.train import reference_run
 from course_lib.units import MiB
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
@@ -49,12 +50,8 @@ def every_variant(rank, world_size, accumulation_steps):
 
 def one_process(global_batch):
     """The reference: one process, the whole global batch, the same data and seed."""
-    model = build(preset("tiny"), seed=0, dtype=DTYPE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data = SyntheticTokens(128, 32, seed=0)
-    for step in range(STEPS):
-        training_step(model, optimizer, *data.batch(step, global_batch))
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    _, model = reference_run(steps=STEPS, batch_size=global_batch, lr=LR, optimizer="sgd", dtype=DTYPE)
+    return parameters_to_vector(model.parameters()).detach()
 
 
 SETUPS = {"2 ranks x 2 micro-steps": (2, 2), "4 ranks x 1": (4, 1), "3 ranks x 2": (3, 2)}

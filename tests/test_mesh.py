@@ -8,11 +8,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import RankError, launch
-from course_lib.data import SyntheticTokens
 from course_lib.mesh import Mesh, make_comms, params_per_rank, sent_bytes_per_rank
-from course_lib.model import build, count_params, param_count_formula, preset
+from course_lib.model import count_params, param_count_formula, preset
 from course_lib.runs.mesh import global_losses, max_parameter_gap, train_3d, train_torch_2d
-from course_lib.train import training_step
+from course_lib.train import reference_run
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -86,11 +85,7 @@ def test_a_world_that_does_not_fit_the_mesh_fails_fast_on_every_rank():
 @pytest.fixture(scope="module")
 def reference():
     """One process, the whole batch, the same seed: losses and parameters after STEPS Adam steps."""
-    config = preset("tiny")
-    model = build(config, seed=0, dtype=torch.float64)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    data = SyntheticTokens(config.vocab_size, SEQ, seed=0)
-    losses = [training_step(model, optimizer, *data.batch(step, BATCH)) for step in range(STEPS)]
+    losses, model = reference_run(steps=STEPS, batch_size=BATCH, lr=1e-2, seq_len=SEQ, dtype=torch.float64)
     return losses, model.state_dict()
 
 

@@ -18,6 +18,7 @@ Tolerances. Every parity check runs in float64, so it holds on any CPU whatever 
 
 import pytest
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from course_lib import RankError, launch
 from course_lib.comm import Comm
@@ -25,6 +26,7 @@ from course_lib.data import SyntheticTokens
 from course_lib.ledger import zero_state_bytes
 from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.train import reference_run
 from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
@@ -56,22 +58,15 @@ def setup(request):
     return world_size, launch(every_run, world_size, timeout=300)
 
 
-def one_process(optimizer_class, world_size, **kwargs):
+def one_process(optimizer, world_size, lr):
     """The reference: one process, Adam or SGD on the whole global batch, the same data and seed."""
-    model = build(TINY, seed=0, dtype=torch.float64)
-    optimizer = optimizer_class(model.parameters(), **kwargs)
-    data = SyntheticTokens(TINY.vocab_size, 32, seed=0)
-    for step in range(STEPS):
-        inputs, targets = data.batch(step, 4 * world_size)
-        optimizer.zero_grad()
-        loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    _, model = reference_run(steps=STEPS, batch_size=4 * world_size, lr=lr, optimizer=optimizer, dtype=torch.float64)
+    return parameters_to_vector(model.parameters()).detach()
 
 
 def test_every_stage_matches_one_process_with_sgd(setup):
     world_size, per_rank = setup
-    reference = one_process(torch.optim.SGD, world_size, lr=0.1)
+    reference = one_process("sgd", world_size, lr=0.1)
     for stage in range(4):
         for rank in range(world_size):
             gap = (per_rank[rank]["sgd", stage]["params"] - reference).abs().max().item()
@@ -80,7 +75,7 @@ def test_every_stage_matches_one_process_with_sgd(setup):
 
 def test_every_stage_matches_one_process_with_adam(setup):
     world_size, per_rank = setup
-    reference = one_process(lambda params, lr: torch.optim.Adam(params, lr=lr, foreach=False), world_size, lr=1e-2)
+    reference = one_process("adam", world_size, lr=1e-2)
     for stage in range(4):
         gap = (per_rank[0]["adam", stage]["params"] - reference).abs().max().item()
         assert gap < 1e-9, (stage, gap)

@@ -8,6 +8,7 @@ import time
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parameters_to_vector
 
 from ..comm import Comm, bytes_written
 from ..data import SyntheticTokens, micro_batches
@@ -69,7 +70,7 @@ def _clock(dev: torch.device):
 
 def replica_spread(model: nn.Module, comm: Comm) -> float:
     """The largest difference between this rank's weights and any other rank's: 0.0 for identical replicas."""
-    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mine = parameters_to_vector(model.parameters()).detach()
     everyone = torch.empty(comm.size * mine.numel(), dtype=mine.dtype, device=mine.device)
     comm.all_gather(everyone, mine)
     return (everyone.view(comm.size, -1) - mine).abs().max().item()
@@ -113,7 +114,7 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
         if spread:
             record["spread"] = replica_spread(model, comm)
         records.append(record)
-    return {"steps": records, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(),
+    return {"steps": records, "params": parameters_to_vector(model.parameters()).detach().cpu(),
             "grad_bytes": sum(p.nbytes for p in model.parameters())}
 
 
