@@ -254,9 +254,14 @@ def tp_allreduce_bytes(batch_size: int, seq_len: int, hidden: int, bytes_per_ele
 
 
 def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4) -> dict:
-    """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring)."""
+    """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring).
+
+    Refuses a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would: a traffic
+    figure for a layout that cannot run is no figure. (The payload of one all-reduce, tp_allreduce_bytes,
+    does not depend on the degree.)"""
     from .comm import wire_bytes
 
+    check_tp_divisible(config, tp)
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
     per_direction = 2 * config.num_layers
     return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,

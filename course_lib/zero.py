@@ -20,6 +20,13 @@ An all-reduce *is* a reduce-scatter followed by an all-gather; stages 1 and 2 do
 moments (gradients before the update, weights after it) and keep only their shard in between: memory saved for
 no extra bytes. Stage 3 throws each layer's weights away after use, so it gathers them twice.
 
+With gradient accumulation over A micro-steps (all but the last inside ``no_sync()``, as with DDP) the stages
+part ways. Stages 0 and 1 keep full gradients, add the micro-steps into them locally and reduce once per
+optimizer step. Stage 2 keeps only its shard of the gradients, so it must reduce-scatter after every micro-step;
+stage 3 also gathers the weights for every micro-step's forward and backward. Per optimizer step:
+
+    stage 0, 1   2Ψ·(N-1)/N          stage 2   (A + 1)·Ψ·(N-1)/N          stage 3   3A·Ψ·(N-1)/N
+
 How it is built. The parameters are grouped into units (default_units: embed, each block, norm, head: the
 modules FSDP would wrap). Each unit's parameters move into one flat buffer of N·S elements, S = ceil(P_u/N),
 zero-padded at the end; the module's parameters become views of it (param.data = view), so the model runs
@@ -39,6 +46,7 @@ or 8 ranks); otherwise it exceeds P by fewer than N·(number of units) parameter
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -69,14 +77,18 @@ def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] 
     return sum(-(-sum(p.numel() for p in unit.parameters()) // world_size) * world_size for unit in units)
 
 
-def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int) -> dict[str, float]:
-    """Bytes one rank sends per step, by op, on a ring of world_size ranks (the module docstring's table)."""
+def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulation_steps: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, by op, on a ring of world_size ranks, with ``accumulation_steps``
+    micro-steps per optimizer step (the module docstring's tables)."""
     check_zero_stage(stage)
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps!r}: a whole number of micro-steps, at least 1")
+    a = accumulation_steps
     share = wire_bytes("reduce_scatter", grad_bytes, world_size)   # one reduce-scatter, or one all-gather
     return {0: {"all_reduce": wire_bytes("all_reduce", grad_bytes, world_size)},
             1: {"reduce_scatter": share, "all_gather": share},
-            2: {"reduce_scatter": share, "all_gather": share},
-            3: {"all_gather": 2 * share, "reduce_scatter": share}}[stage]
+            2: {"reduce_scatter": a * share, "all_gather": share},
+            3: {"all_gather": 2 * a * share, "reduce_scatter": a * share}}[stage]
 
 
 class _Unit:
@@ -100,7 +112,9 @@ class _Unit:
                 param.data = view     # the parameter keeps its identity (hooks, optimizers), now in the buffer
                 self.offsets.append(offset)
                 offset += param.numel()
-        self.ready = 0                # parameters whose gradient this backward has finished
+        self.ready = 0                # parameters whose gradient the running backward has finished
+        self.backwards = 0            # backwards finished since the last step()
+        self.reduced = False          # stages 0, 1: the gradients were averaged since the last step()
         self.flat_grad = None         # stages 0 and 1: the full gradients, as one buffer
         self.shard = None             # the nn.Parameter this rank's optimizer updates
 
@@ -124,7 +138,9 @@ class ZeroDataParallel(nn.Module):
         model.step()                                                        # update; the next step may start
 
     Gradients are averaged over the ranks during backward; ``step()`` runs the optimizer on this rank's shards
-    and (stages 1, 2) all-gathers the updated weights. ``parameters()`` lists the module's parameters and the
+    and (stages 1, 2) all-gathers the updated weights. Gradient accumulation: run all but the last micro-step's
+    backward inside ``with model.no_sync():`` (stages 0, 1 then reduce once; stages 2, 3 reduce every micro-step
+    anyway: they keep no full gradients to add into). ``parameters()`` lists the module's parameters and the
     shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
     ledger.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``timeline = []`` to record, at each
     gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
@@ -149,6 +165,7 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(f"parameters in no unit: {missing}; every parameter must belong to one unit")
         self.units = [_Unit(names[id(unit)], unit, comm.size) for unit in units]
         self.timeline: list[dict] | None = None
+        self._sync = True
         rank, shards = comm.rank, []
         for unit in self.units:
             comm.broadcast(unit.full, src=0)               # every rank starts from rank 0's weights
@@ -181,6 +198,19 @@ class ZeroDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward inside this block adds into the gradients without averaging them,
+        where the stage can. Stages 0 and 1 keep full gradients, so they average once, in the last micro-step's
+        backward (run it outside the block). Stages 2 and 3 keep only their shard of the gradients: they
+        reduce-scatter every micro-step whatever the block says (stage 3 also gathers the weights for every
+        micro-step's forward and backward)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
     # ---- stage 3: borrow a unit's weights just while it runs
 
     def _gather(self, unit: _Unit, phase: str):
@@ -200,12 +230,13 @@ class ZeroDataParallel(nn.Module):
     # ---- every stage: average the gradients once backward has finished a unit
 
     def _gradient_ready(self, unit: _Unit):
+        if unit.ready == 0 and unit.reduced:
+            raise RuntimeError(f"unit {unit.name}: a second backward before step(), after the gradients were "
+                               "averaged: for gradient accumulation run all but the last backward inside no_sync()")
         unit.ready += 1
-        if unit.ready > len(unit.params):
-            raise RuntimeError(f"unit {unit.name}: a second backward before step(); ZeroDataParallel takes one "
-                               "backward per step() (it has no gradient accumulation)")
         if unit.ready < len(unit.params):
             return
+        unit.ready, unit.backwards = 0, unit.backwards + 1
         self._record("gradients ready", unit)             # stages 2, 3: this unit's full gradients exist now
         shard, size = unit.shard, self.comm.size
         if unit.flat_grad is not None and any(p.grad.data_ptr() != unit.flat_grad.data_ptr() +
@@ -213,20 +244,25 @@ class ZeroDataParallel(nn.Module):
                                               zip(unit.params, unit.offsets)):
             raise RuntimeError(f"unit {unit.name}: gradients are no longer views of the flat gradient buffer; "
                                "reset them with model.zero_grad() (or let step() do it), not the module's own")
+        if self.stage <= 1 and not self._sync:
+            return                                          # no_sync: the next backward adds into flat_grad
         if self.stage == 0:
             self.comm.all_reduce(unit.flat_grad)
             unit.flat_grad.div_(size)
+            unit.reduced = True
         elif self.stage == 1:
             reduced = torch.empty_like(shard.grad)
             self.comm.reduce_scatter(reduced, unit.flat_grad)
             shard.grad.copy_(reduced.div_(size))            # shard.grad is this rank's slice of flat_grad
+            unit.reduced = True
         else:
             padding = unit.full.numel() - unit.numel
             flat = torch.cat([p.grad.reshape(-1) for p in unit.params] + [unit.full.new_zeros(padding)])
             for param in unit.params:
                 param.grad = None                           # stage 2's saving: full gradients live one unit long
-            self.comm.reduce_scatter(shard.grad, flat)
-            shard.grad.div_(size)
+            reduced = torch.empty_like(shard.grad)
+            self.comm.reduce_scatter(reduced, flat)
+            shard.grad.add_(reduced.div_(size))             # micro-steps add up in the shard's gradient
             if self.stage == 3:
                 unit.free()
         self._record("reduce gradients", unit)
@@ -234,17 +270,22 @@ class ZeroDataParallel(nn.Module):
     def step(self):
         """Update this rank's shards (gradients already averaged); stages 1, 2: all-gather the new weights."""
         for unit in self.units:
-            if unit.ready != len(unit.params):
+            if unit.ready or not unit.backwards:
+                when = "in the last backward" if unit.ready else "since the last step()"
                 raise RuntimeError(f"unit {unit.name}: {unit.ready} of its {len(unit.params)} parameters got a "
-                                   "gradient since the last step(); every parameter must take part in the loss "
-                                   "on every rank")
-            unit.ready = 0
+                                   f"gradient {when}; every parameter must take part in the loss on every rank")
+            if self.stage <= 1 and not unit.reduced:
+                raise RuntimeError(f"unit {unit.name}: its gradients were never averaged: the last backward before "
+                                   "step() must run outside no_sync()")
+            unit.backwards, unit.reduced = 0, False
         self.optimizer.step()
         for unit in self.units:
             if self.stage in (1, 2):
                 self.comm.all_gather(unit.full, unit.shard.detach().clone())   # a copy: the input is part of the output
             if unit.flat_grad is not None:
                 unit.flat_grad.zero_()                      # backward adds into these views next step
+            else:
+                unit.shard.grad.zero_()                     # stages 2, 3: micro-steps add into it
         self._record("step", None)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -277,16 +318,20 @@ IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
 
 
 def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
-          seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam", dtype=torch.float32, config=None,
-          seed: int = 0, timeline: bool = False, progress: bool = False) -> dict:
+          accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
+          dtype=torch.float32, config=None, seed: int = 0, timeline: bool = False, progress: bool = False) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
     "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
     "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
     plus the root: stage 3). ``optimizer``: "adam" (torch's, foreach=False), "sgd", or "mixed"
     (MixedPrecisionAdam: 12 bytes of state per parameter; use it with dtype=torch.bfloat16).
+    ``accumulation_steps``: micro-steps of ``per_rank_batch`` rows per optimizer step (global batch =
+    per_rank_batch × world_size × accumulation_steps), all but the last inside ``no_sync()`` (ours, and torch's
+    DDP under "ddp" and "zero_redundancy"; FSDP2 reduce-scatters every micro-step, as ZeRO-3 does).
 
     Returns lists with one entry per step: "losses" (this rank's), "step_seconds", "comm_seconds" and
     "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
+    all of them over the whole optimizer step (every micro-step); "losses" is the mean over the micro-steps;
     "bytes_written" (counted by the kernel; None without /proc); and "state" (measure_state_bytes after the last
     step), "params" (the full weights, flattened), "timeline" (ours, last step, if asked).
     ``progress``: a tqdm bar on rank 0.
@@ -295,7 +340,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     import warnings
 
     from .comm import bytes_written
-    from .data import SyntheticTokens
+    from .data import SyntheticTokens, micro_batches
     from .launch import device
     from .model import build, loss_fn, preset
     from .runs.ddp import wrap
@@ -337,8 +382,9 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         from tqdm.auto import tqdm
         steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
                            mininterval=1.0)
+    accumulate = model.no_sync if impl in ("ours", "ddp", "zero_redundancy") else contextlib.nullcontext
     for step in steps_range:
-        inputs, targets = (t.to(dev) for t in data.rank_batch(step, per_rank_batch * world_size, rank, world_size))
+        batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
         if impl != "ours":
             update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
         if timeline and impl == "ours" and step == steps - 1:
@@ -346,8 +392,13 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         comm.barrier()
         written, start = bytes_written(), time.perf_counter()
         with comm.trace() as log:
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
+            micro_losses = []
+            for i, (inputs, targets) in enumerate(batches):
+                with accumulate() if i < accumulation_steps - 1 else contextlib.nullcontext():
+                    # each micro-step's loss / A, so that the summed gradients are those of the mean loss
+                    micro_loss = loss_fn(model(inputs.to(dev)), targets.to(dev)) / accumulation_steps
+                    micro_loss.backward()
+                micro_losses.append(micro_loss.detach())
             (model if impl == "ours" else update).step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -356,7 +407,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         run["wire"].append({op: totals.wire_bytes for op, totals in log.summary().items()})
         run["comm_seconds"].append(sum(record.seconds for record in log.records) if impl == "ours" else None)
         run["collectives"].append(len(log.records))
-        run["losses"].append(loss.item())
+        run["losses"].append(sum(loss.item() for loss in micro_losses))
     run["state"] = measure_state_bytes(model, update)
     if impl == "ours":
         run["params"], run["timeline"] = model.full_parameters().cpu(), model.timeline

@@ -225,6 +225,19 @@ def test_the_source_message_size():
     assert tp_allreduce_bytes(4, 4096, 3584, 2) == 112 * 2**20
 
 
+def test_step_traffic_refuses_a_degree_the_model_cannot_split_over():
+    """Qwen2-7B (hidden 3584, the source's TP message) has 28 query heads and 4 key/value heads: TP = 8 cannot
+    run, so tp_step_traffic refuses it with check_tp_divisible's message; TP = 4 works, with the same message."""
+    qwen = preset("qwen2-7b")
+    with pytest.raises(ValueError, match=r"28 attention heads \(num_heads\) cannot split over TP=8 .*"
+                                         r"4 key/value heads \(num_kv_heads\) cannot split over TP=8 .*"
+                                         r"TP degrees that work for this model: \[1, 2, 4\]"):
+        tp_step_traffic(qwen, batch_size=4, seq_len=4096, tp=8, bytes_per_element=2)
+    traffic = tp_step_traffic(qwen, batch_size=4, seq_len=4096, tp=4, bytes_per_element=2)
+    assert traffic["payload_bytes_each"] == 112 * 2**20
+    assert traffic["wire_bytes_per_rank"] == 4 * qwen.num_layers * wire_bytes("all_reduce", 112 * 2**20, 4)
+
+
 def test_divisibility_rule_names_the_numbers():
     sixteen = preset("llama2-7b", num_heads=16, num_kv_heads=16, hidden=2048)
     check_tp_divisible(sixteen, 2)

@@ -11,6 +11,8 @@ Tolerances. Every parity check runs in float64, so it holds on any CPU whatever 
   near-zero gradient up to lr·δ/eps (measured: 3e-14 on 2 ranks, 5e-14 on 3, 1e-12 on 4). 1e-9 still catches a
   wrong or stale shard, which moves a weight by ~lr = 1e-2 per step. Adam is blind to a missing division by N
   (it divides by the gradient's own size): that is the SGD test's job.
+* Gradient accumulation (2 micro-steps of 4 rows per rank), SGD: the micro-steps' gradients are summed
+  before the update, another order of the same additions: rounding only, 1e-9 as above.
 * Ours vs torch's implementations, Adam: every rank computes the same gradients in both, only the order of
   the sums over ranks may differ: ~1e-17; Adam's lr/eps = 1e6 amplification bounds the weights' gap by 1e-11
   (measured 3e-15). 1e-10.
@@ -58,9 +60,10 @@ def setup(request):
     return world_size, launch(every_run, world_size, timeout=300)
 
 
-def one_process(optimizer, world_size, lr):
+def one_process(optimizer, world_size, lr, accumulation_steps=1, steps=STEPS):
     """The reference: one process, Adam or SGD on the whole global batch, the same data and seed."""
-    _, model = reference_run(steps=STEPS, batch_size=4 * world_size, lr=lr, optimizer=optimizer, dtype=torch.float64)
+    _, model = reference_run(steps=steps, batch_size=4 * world_size * accumulation_steps, lr=lr, optimizer=optimizer,
+                             dtype=torch.float64)
     return parameters_to_vector(model.parameters()).detach()
 
 
@@ -125,6 +128,51 @@ def test_traced_bytes_on_the_wire(setup):
     ddp = 2 * grad_bytes * (world_size - 1) / world_size
     assert totals[0] == pytest.approx(ddp, rel=1e-12) and totals[1] == totals[2] == pytest.approx(ddp, rel=1e-12)
     assert totals[3] == pytest.approx(1.5 * ddp, rel=1e-12)
+
+
+ACCUMULATION_STEPS = 2
+
+
+def accumulated_runs(rank, world_size):
+    runs = {stage: train(rank, world_size, stage=stage, steps=2, accumulation_steps=ACCUMULATION_STEPS,
+                         optimizer="sgd", lr=0.1, dtype=torch.float64) for stage in range(4)}
+    runs["ddp"] = train(rank, world_size, impl="ddp", steps=2, accumulation_steps=ACCUMULATION_STEPS,
+                        optimizer="sgd", lr=0.1, dtype=torch.float64)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def accumulated():
+    return launch(accumulated_runs, 2, timeout=300)
+
+
+def test_gradient_accumulation_matches_one_process(accumulated):
+    """2 ranks × 2 micro-steps × 4 rows: every stage, and torch's DDP with no_sync, = one process on 16 rows."""
+    reference = one_process("sgd", 2, lr=0.1, accumulation_steps=ACCUMULATION_STEPS, steps=2)
+    for key in (0, 1, 2, 3, "ddp"):
+        for ranks in accumulated:
+            gap = (ranks[key]["params"] - reference).abs().max().item()
+            assert gap < 1e-9, (key, gap)
+
+
+def test_traced_bytes_with_gradient_accumulation(accumulated):
+    """Per optimizer step of A micro-steps, in units of Ψ(p-1)/p: DDP 2 (one all-reduce, after the last
+    micro-step), ZeRO-1 2 (it keeps full gradients: one reduce-scatter, one all-gather), ZeRO-2 A + 1 (a
+    reduce-scatter every micro-step: it keeps only its shard of the gradients), ZeRO-3 3A (two gathers and
+    a reduce-scatter every micro-step)."""
+    world_size, a = 2, ACCUMULATION_STEPS
+    grad_bytes = 8 * P                                             # float64, no padding on 2 ranks
+    unit = grad_bytes * (world_size - 1) / world_size
+    expected = {0: 2, 1: 2, 2: a + 1, 3: 3 * a}
+    collectives = {0: NUM_UNITS, 1: 2 * NUM_UNITS, 2: (a + 1) * NUM_UNITS, 3: 3 * a * NUM_UNITS}
+    for stage in range(4):
+        for ranks in accumulated:
+            for wire, count in zip(ranks[stage]["wire"], ranks[stage]["collectives"]):
+                assert sum(wire.values()) == pytest.approx(expected[stage] * unit, rel=1e-12), stage
+                assert wire == pytest.approx(wire_bytes_per_step(grad_bytes, stage, world_size, a), rel=1e-12)
+                assert count == collectives[stage], stage
+    with pytest.raises(ValueError, match="accumulation_steps=0"):
+        wire_bytes_per_step(grad_bytes, 1, world_size, 0)
 
 
 def test_stage3_gathers_each_unit_twice_and_holds_one_at_a_time(setup):
@@ -217,11 +265,17 @@ def _bad_inputs(rank, world_size, case):
         module.zero_grad()                       # nn.Module's: sets the gradient views to None
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         loss_fn(model(inputs), targets).backward()
-    elif case == "two backwards":
-        model = ZeroDataParallel(module, comm, stage=2)
+    elif case == "two backwards":                # stage 1 averaged after the first: a second would add to it
+        model = ZeroDataParallel(module, comm, stage=1)
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         for _ in range(2):
             loss_fn(model(inputs), targets).backward()
+    elif case == "never averaged":
+        model = ZeroDataParallel(module, comm, stage=0)
+        inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
+        with model.no_sync():
+            loss_fn(model(inputs), targets).backward()
+        model.step()
     elif case == "mixed dtypes":
         module.layers[0].attn_norm.weight.data = module.layers[0].attn_norm.weight.data.double()
         ZeroDataParallel(module, comm, stage=1)
@@ -233,7 +287,8 @@ def _bad_inputs(rank, world_size, case):
     ("no backward", r"unit embed: 0 of its 1 parameters got a gradient"),
     ("unit missing", r"parameters in no unit: \['embed.weight'\]"),
     ("mixed dtypes", r"unit layers.0 mixes dtypes"),
-    ("two backwards", r"unit head: a second backward before step\(\)"),
+    ("two backwards", r"unit head: a second backward before step\(\), after the gradients were averaged"),
+    ("never averaged", r"unit embed: its gradients were never averaged"),
     ("grads replaced", r"unit head: gradients are no longer views of the flat gradient buffer"),
 ])
 def test_bad_input_is_named(case, message):
