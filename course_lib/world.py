@@ -188,9 +188,9 @@ class World:
             if not self._missing(ranks, replies) or not idle:
                 break
             self.group.submit(_leave_group, None, idle)
-            self.group.collect(idle, timeout=RESPONSE_TIMEOUT, stop_at_error=False)
+            self.group.collect(idle, timeout=GRACE, stop_at_error=False)
             gone_from_group += idle
-            wait_for_stuck(RESPONSE_TIMEOUT)
+            wait_for_stuck(GRACE)   # the next round frees those still waiting for a rank freed in this one
         if gone_from_group:
             left_group = True
             note = (f"ranks {stuck} were stuck in a collective; the other ranks left the process group "
