@@ -47,6 +47,10 @@ from .workers import (
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
 GRACE = 1.0  # seconds to wait for the other ranks after one failed, before deciding they are stuck
+# Seconds a rank has to answer once freed (interrupted, or its collective failed). Waiting ends as soon as it
+# answers (~10 ms when quiet), so this only bounds how long a rank that never answers delays the restart; a
+# busy 2-core machine can take seconds to run a rank's signal handler.
+RESPONSE_TIMEOUT = 5.0
 
 
 class Interrupted(KeyboardInterrupt):
@@ -178,14 +182,14 @@ class World:
         def wait_for_stuck(seconds):
             replies.update(self.group.collect(self._missing(ranks, replies), timeout=seconds, stop_at_error=False))
 
-        def interrupt_stuck():
+        def interrupt_stuck(seconds):
             for r in self._missing(ranks, replies):
                 os.kill(self.group.procs[r].pid, signal.SIGINT)
-            wait_for_stuck(GRACE)
+            wait_for_stuck(seconds)
 
         note, left_group = "", False
         if interrupt_first and self._missing(ranks, replies):
-            interrupt_stuck()
+            interrupt_stuck(GRACE)   # a Python loop answers at once; a rank inside a collective does not
         stuck, gone_from_group = self._missing(ranks, replies), []
         while True:  # a rank freed by the first leavers may have left others waiting for it: repeat
             idle = [r for r in range(self.world_size) if r not in self._missing(ranks, replies) + gone_from_group]
@@ -194,14 +198,17 @@ class World:
             self.group.submit(_leave_group, None, idle)
             self.group.collect(idle, timeout=GRACE, stop_at_error=False)
             gone_from_group += idle
-            wait_for_stuck(GRACE)
+            wait_for_stuck(GRACE)   # the next round frees those still waiting for a rank freed in this one
         if gone_from_group:
             left_group = True
             note = (f"ranks {stuck} were stuck in a collective; the other ranks left the process group "
                     "so that it failed on every rank (a tensor that a failed collective was writing may hold "
                     "a partial result)")
-        if self._missing(ranks, replies) and not interrupt_first:
-            interrupt_stuck()
+        if self._missing(ranks, replies):
+            if interrupt_first:   # interrupted already: on a busy machine the signal can take seconds to act
+                wait_for_stuck(RESPONSE_TIMEOUT)
+            else:
+                interrupt_stuck(RESPONSE_TIMEOUT)
         gone = self._missing(ranks, replies) or [r for r, alive in enumerate(self.group.alive()) if not alive]
         if not gone and (left_group or any(_is_group_failure(reply) for reply in replies.values())):
             gone = self._rejoin()

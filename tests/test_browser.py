@@ -126,11 +126,13 @@ def test_a_learner_runs_notebook_00_moves_a_widget_and_stops_a_long_cell(lab):
         queued = page.locator(".jp-InputPrompt", has_text="*")  # "[*]:" marks a cell queued or running
         wait_for(lambda: queued.count() > 0, 30, "run-all to start")
         wait_for(lambda: queued.count() == 0 and kernel_state(url, token) == "idle", 180, "run-all to finish")
-        assert outputs.filter(has_text="all ranks stopped").count() == 1, "the last cell did not run"
-        assert outputs.filter(has_text="every rank holds the single-process mean").count() == 1
         errors = [text for text in outputs.all_inner_texts() if re.search(r"^(\w+Error\b|Traceback)", text, re.M)]
         unexpected = [text for text in errors if "found a bad batch" not in text]  # the one failure on purpose
-        assert len(errors) >= 1 and not unexpected, unexpected
+        assert len(errors) >= 1 and not unexpected, unexpected   # (an error also stops Run All: checked first)
+        # A cell's output and its "done" reply travel on two channels: on a busy machine the prompt can change
+        # before the last output is drawn.
+        wait_for(lambda: outputs.filter(has_text="all ranks stopped").count() == 1, 30, "the last cell's output")
+        assert outputs.filter(has_text="every rank holds the single-process mean").count() == 1
 
         # Move the learning-rate slider one notch: a new curve is trained and the plot changes.
         slider = page.locator(".widget-slider .noUi-handle").first

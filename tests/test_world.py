@@ -92,7 +92,9 @@ def test_a_rank_that_never_returns_is_interrupted(world):
     world.exec("keep = rank")
     outcome = world.exec("while True:\n    pass", timeout=1)
     assert isinstance(outcome.error, RankTimeout) and outcome.error.ranks == [0, 1, 2, 3]
-    assert outcome.world == "ok"  # SIGINT reached the Python loop: nothing else to repair
+    # SIGINT reached the Python loop: nothing else to repair ("ok"); on a busy machine a rank may answer only
+    # after the others were made to leave the group ("recovered"). Either way no rank was restarted:
+    assert outcome.world in ("ok", "recovered"), outcome.note
     assert world.pull("keep") == [0, 1, 2, 3]
 
 
