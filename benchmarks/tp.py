@@ -22,7 +22,8 @@ from course_lib import launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, preset, widened
-from course_lib.tensor_parallel import apply_tp, dtensor_plan, step_seconds
+from course_lib.runs.tensor_parallel import step_seconds
+from course_lib.tensor_parallel import apply_tp, dtensor_plan
 
 
 def ours_and_dtensor(rank, world_size, *, hidden, layers, batch_size, seq_len, repeats, warmup):

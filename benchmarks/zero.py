@@ -26,7 +26,8 @@ import torch
 from course_lib import launch
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, count_params, loss_fn, preset, widened
-from course_lib.zero import default_units, train
+from course_lib.runs.zero import train
+from course_lib.zero import default_units
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("ddp", 0), ("zero_redundancy", 1), ("fully_shard", 3)]
 NAMES = {"ours": "ours", "ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyOptimizer",

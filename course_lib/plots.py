@@ -2,7 +2,11 @@
 
 import math
 
+import matplotlib.patches as patches
 import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+from .pipeline_parallel import bubble_fraction
 
 
 def loss_curves(curves: dict[str, list[float]], *, highlight: str | None = None, floor: float | None = None,
@@ -140,7 +144,6 @@ RANK_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
 def matmul_split(world_size: int = 2):
     """Y = X·W split two ways over ``world_size`` ranks, one colour per rank: by columns of W (each rank
     makes whole columns of Y: concatenate) and by rows of W (each rank makes a partial Y: sum them)."""
-    from matplotlib.patches import Rectangle
 
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 2.9))
     p, colors = world_size, RANK_COLORS
@@ -219,7 +222,6 @@ def ring_all_reduce_steps(snapshots_by_rank: list[list], *, title: str = "ring a
     """One picture per step of ``ddp.ring_all_reduce``: a rank × chunk grid whose cells say whose data each
     chunk holds. Rank r must start with 2**r in every element, so a chunk's value is the set of ranks summed
     into it, written as bits. Cells that changed in the step (received from the left neighbour) are outlined."""
-    import matplotlib.patches as patches
     p = len(snapshots_by_rank)
     states = [[[2.0**r] * p for r in range(p)]]                # before: every rank holds only its own data
     labels = ["start: rank r holds g_r"]
@@ -324,7 +326,6 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
 def bubble_curves(measured: dict[int, dict[int, float]], *, max_microbatches: int = 64, title: str | None = None):
     """The bubble (p-1)/(m+p-1) against m for each p of ``measured`` (p → {m: measured bubble}), as a line,
     with the measured bubbles as dots on it; m on a log axis."""
-    from .pipeline_parallel import bubble_fraction
 
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     ms = [m for m in range(1, max_microbatches + 1)]

@@ -47,8 +47,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from .comm import Comm
+from .comm import Comm, wire_bytes
 
 # ------------------------------------------------------------------------------ the conjugate operators
 
@@ -259,7 +260,6 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
     Refuses a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would: a traffic
     figure for a layout that cannot run is no figure. (The payload of one all-reduce, tp_allreduce_bytes,
     does not depend on the degree.)"""
-    from .comm import wire_bytes
 
     check_tp_divisible(config, tp)
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
@@ -271,7 +271,6 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
 
 def dtensor_plan(config) -> dict:
     """torch's DTensor plan for the same split: ``parallelize_module(model, mesh, dtensor_plan(config))``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
     for i in range(config.num_layers):
@@ -282,28 +281,3 @@ def dtensor_plan(config) -> dict:
     return plan
 
 
-def step_seconds(model: nn.Module, inputs, targets, comm: Comm | None = None, *, repeats: int = 5,
-                 warmup: int = 2) -> dict:
-    """The median time of one forward + backward of ``model``, and of that, the seconds spent inside
-    ``comm``'s collectives (waiting for the slowest rank included: TP pays for that too). On GPUs NCCL
-    collectives return before they finish, so there only ``seconds`` is meaningful."""
-    from contextlib import nullcontext
-    from time import perf_counter
-
-    from .model import loss_fn
-
-    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)   # GPU kernels run asynchronously
-    runs = []
-    for i in range(warmup + repeats):
-        if comm is not None:
-            comm.barrier()                      # start together, so no rank's wait is counted as work
-        with comm.trace() if comm is not None else nullcontext() as log:
-            start = perf_counter()
-            loss_fn(model(inputs), targets).backward()
-            sync()
-            seconds = perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        if i >= warmup:
-            runs.append((seconds, sum(r.seconds for r in log.records) if log is not None else 0.0))
-    seconds, comm_seconds = sorted(runs)[len(runs) // 2]
-    return {"seconds": seconds, "comm_seconds": comm_seconds, "compute_seconds": seconds - comm_seconds}

@@ -26,7 +26,8 @@ from course_lib import device, launch
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, count_params, loss_fn, preset
-from course_lib.tensor_parallel import apply_tp, step_seconds, tp_step_traffic
+from course_lib.runs.tensor_parallel import step_seconds
+from course_lib.tensor_parallel import apply_tp, tp_step_traffic
 
 
 def train_losses(model, data, steps, batch_size, lr, comm=None):

@@ -24,7 +24,8 @@ from common import lab_parser, model_overrides, reports
 from course_lib import launch
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, count_params, preset
-from course_lib.zero import padded_num_params, train, wire_bytes_per_step
+from course_lib.runs.zero import train
+from course_lib.zero import padded_num_params, wire_bytes_per_step
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 1), ("fully_shard", 3)]
 

@@ -28,8 +28,9 @@ from course_lib.data import SyntheticTokens
 from course_lib.ledger import zero_state_bytes
 from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.runs.zero import train
 from course_lib.train import reference_run
-from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, train, wire_bytes_per_step
+from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, wire_bytes_per_step
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 

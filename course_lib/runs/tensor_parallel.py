@@ -3,13 +3,17 @@ one rank against split over TP ranks, timed."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from time import perf_counter
+
 import torch
+import torch.nn as nn
 
 from ..comm import Comm
 from ..data import SyntheticTokens
 from ..launch import launch
-from ..model import build, preset, widened
-from ..tensor_parallel import apply_tp, step_seconds
+from ..model import build, loss_fn, preset, widened
+from ..tensor_parallel import apply_tp
 
 
 def tp_speed_config(hidden: int, num_layers: int = 2):
@@ -50,3 +54,27 @@ def measure_tp_speed(hiddens, tp: int, *, num_layers: int = 2, batch_size: int =
         rows.append({"hidden": hidden, "tp": tp, "one_rank_s": per_rank[0][i]["one_rank"]["seconds"],
                      "tp_s": slowest["seconds"], "comm_s": slowest["comm_seconds"]})
     return rows
+
+
+def step_seconds(model: nn.Module, inputs, targets, comm: Comm | None = None, *, repeats: int = 5,
+                 warmup: int = 2) -> dict:
+    """The median time of one forward + backward of ``model``, and of that, the seconds spent inside
+    ``comm``'s collectives (waiting for the slowest rank included: TP pays for that too). On GPUs NCCL
+    collectives return before they finish, so there only ``seconds`` is meaningful."""
+
+
+    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)   # GPU kernels run asynchronously
+    runs = []
+    for i in range(warmup + repeats):
+        if comm is not None:
+            comm.barrier()                      # start together, so no rank's wait is counted as work
+        with comm.trace() if comm is not None else nullcontext() as log:
+            start = perf_counter()
+            loss_fn(model(inputs), targets).backward()
+            sync()
+            seconds = perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        if i >= warmup:
+            runs.append((seconds, sum(r.seconds for r in log.records) if log is not None else 0.0))
+    seconds, comm_seconds = sorted(runs)[len(runs) // 2]
+    return {"seconds": seconds, "comm_seconds": comm_seconds, "compute_seconds": seconds - comm_seconds}

@@ -1,0 +1,116 @@
+"""ZeRO training runs (notebook 03, lab zero, tests, benchmarks): ours at every stage, or torch's DDP,
+ZeroRedundancyOptimizer and FSDP2 fully_shard, on the same model and data; traced, timed and measured."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from tqdm.auto import tqdm
+
+from ..comm import Comm, bytes_written
+from ..data import SyntheticTokens, micro_batches
+from ..launch import device
+from ..measure import measure_state_bytes
+from ..mixed_precision import MixedPrecisionAdam
+from ..model import build, loss_fn, preset
+from ..zero import ZeroDataParallel, default_units
+from .ddp import wrap
+
+IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
+
+
+def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
+          accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
+          dtype=torch.float32, config=None, seed: int = 0, timeline: bool = False, progress: bool = False) -> dict:
+    """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
+    "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
+    "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
+    plus the root: stage 3). ``optimizer``: "adam" (torch's, foreach=False), "sgd", or "mixed"
+    (MixedPrecisionAdam: 12 bytes of state per parameter; use it with dtype=torch.bfloat16).
+    ``accumulation_steps``: micro-steps of ``per_rank_batch`` rows per optimizer step (global batch =
+    per_rank_batch × world_size × accumulation_steps), all but the last inside ``no_sync()`` (ours, and torch's
+    DDP under "ddp" and "zero_redundancy"; FSDP2 reduce-scatters every micro-step, as ZeRO-3 does).
+
+    Returns lists with one entry per step: "losses" (this rank's), "step_seconds", "comm_seconds" and
+    "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
+    all of them over the whole optimizer step (every micro-step); "losses" is the mean over the micro-steps;
+    "bytes_written" (counted by the kernel; None without /proc); and "state" (measure_state_bytes after the last
+    step), "params" (the full weights, flattened), "timeline" (ours, last step, if asked).
+    ``progress``: a tqdm bar on rank 0.
+    """
+
+
+    warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's notice on reduce_scatter/all_gather
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    optimizers = {"adam": functools.partial(torch.optim.Adam, foreach=False), "sgd": torch.optim.SGD,
+                  "mixed": MixedPrecisionAdam}
+    if optimizer not in optimizers:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(optimizers)}")
+    optimizer_class, comm, dev = optimizers[optimizer], Comm(), device()
+    config = config or preset("tiny")
+    module = build(config, seed=seed, device=dev, dtype=dtype)
+    if impl == "ours":
+        model = ZeroDataParallel(module, comm, stage, optimizer_class, lr=lr)
+        update = model.optimizer
+    else:
+        model = module
+        if impl == "fully_shard":
+            mesh = init_device_mesh(dev.type, (world_size,))
+            for unit in default_units(module):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        else:
+            model = wrap(module, "torch", comm)
+        if impl == "zero_redundancy":
+            update = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=optimizer_class, lr=lr)
+        else:
+            update = optimizer_class(module.parameters(), lr=lr)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
+    run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
+           "timeline": None}
+    steps_range = range(steps)
+    if progress and rank == 0:
+        steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
+                           mininterval=1.0)
+    accumulate = model.no_sync if impl in ("ours", "ddp", "zero_redundancy") else contextlib.nullcontext
+    for step in steps_range:
+        batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
+        if impl != "ours":
+            update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
+        if timeline and impl == "ours" and step == steps - 1:
+            model.timeline = []
+        comm.barrier()
+        written, start = bytes_written(), time.perf_counter()
+        with comm.trace() as log:
+            micro_losses = []
+            for i, (inputs, targets) in enumerate(batches):
+                with accumulate() if i < accumulation_steps - 1 else contextlib.nullcontext():
+                    # each micro-step's loss / A, so that the summed gradients are those of the mean loss
+                    micro_loss = loss_fn(model(inputs.to(dev)), targets.to(dev)) / accumulation_steps
+                    micro_loss.backward()
+                micro_losses.append(micro_loss.detach())
+            (model if impl == "ours" else update).step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        run["step_seconds"].append(time.perf_counter() - start)
+        run["bytes_written"].append(None if written is None else bytes_written() - written)
+        run["wire"].append({op: totals.wire_bytes for op, totals in log.summary().items()})
+        run["comm_seconds"].append(sum(record.seconds for record in log.records) if impl == "ours" else None)
+        run["collectives"].append(len(log.records))
+        run["losses"].append(sum(loss.item() for loss in micro_losses))
+    run["state"] = measure_state_bytes(model, update)
+    if impl == "ours":
+        run["params"], run["timeline"] = model.full_parameters().cpu(), model.timeline
+    elif impl == "fully_shard":
+        run["params"] = torch.cat([p.full_tensor().reshape(-1) for p in module.parameters()]).cpu()
+    else:
+        run["params"] = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    return run
