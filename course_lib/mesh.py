@@ -73,6 +73,8 @@ class Mesh:
         check_tp_divisible(config, self.tp)
         if self.pp > config.num_layers:
             raise ValueError(f"pp {self.pp} stages > {config.num_layers} layers: every stage needs at least one layer")
+        if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
+            raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
         if batch_size is not None:
             if batch_size % self.dp:
                 raise ValueError(f"batch {batch_size} is not divisible by dp {self.dp}: each data-parallel rank "

@@ -72,7 +72,8 @@ def predicted_vs_measured(panels: dict[str, tuple[list, list, list]], *, ylabel:
                           scale: float = 2**10, title: str | None = None):
     """One panel per swept quantity (name → (x values, predicted, measured)): the prediction as a line,
     the measurements as dots on it."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 2.8), sharey=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 2.8), sharey=False, squeeze=False)
+    axes = axes[0]                                   # one row; an array even for one panel
     for ax, (name, (xs, predicted, measured)) in zip(axes, panels.items()):
         ax.plot(xs, [p / scale for p in predicted], "-", color="0.6", lw=2, label="predicted")
         ax.plot(xs, [m / scale for m in measured], "o", color="tab:red", ms=5, label="measured")
@@ -145,6 +146,8 @@ def matmul_split(world_size: int = 2):
     """Y = X·W split two ways over ``world_size`` ranks, one colour per rank: by columns of W (each rank
     makes whole columns of Y: concatenate) and by rows of W (each rank makes a partial Y: sum them)."""
 
+    if not 1 <= world_size <= len(RANK_COLORS):
+        raise ValueError(f"world_size={world_size}: the picture has a colour for 1 to {len(RANK_COLORS)} ranks")
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 2.9))
     p, colors = world_size, RANK_COLORS
 
@@ -436,7 +439,7 @@ def zero_memory_timeline(timeline: list[dict], *, shard_bytes: int | None = None
         if backward is not None:
             ax.axvspan(0, backward, color="tab:blue", alpha=0.05)
             ax.axvspan(backward, ms[-1], color="tab:green", alpha=0.05)
-        ax.set(ylabel=f"{part}, {name}", ylim=(0, top * 1.3))
+        ax.set(ylabel=f"{part}, {name}", ylim=(0, max(top, 1e-9) * 1.3))   # (an all-zero series: still a range)
         ax.yaxis.label.set_fontsize(8)
         ax.tick_params(labelsize=8)
     for t, e in zip(ms, timeline):
