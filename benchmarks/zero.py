@@ -11,7 +11,7 @@ them alike; a step's time is its slowest rank's, and the table shows the median 
 Memory per rank, in KiB: "state" is measure_state_bytes after the step (weights, gradients, optimizer state,
 each storage once; the largest rank). "peak weights" is the most parameter memory a rank held during the step,
 the shards plus what it borrowed: ours measured from storage at every gather and free
-(ZeroDataParallel.timeline); fully_shard's sharded + unsharded parameters at its peak, from torch's
+(ZeroDataParallel.memory_trace); fully_shard's sharded + unsharded parameters at its peak, from torch's
 FSDPMemTracker; DDP and ZeroRedundancyOptimizer borrow nothing, so their weights. The last line is stage 3's
 step time over fully_shard's: below 1 means ours is faster.
 """
@@ -75,8 +75,8 @@ def every_run(rank, world_size, *, config, rounds, steps, per_rank_batch, seq_le
             result["peak"] = out["state"]["weights"]
     for stage in range(4):                      # one more run each, recording memory (not timed)
         out = train(rank, world_size, stage=stage, steps=2, per_rank_batch=per_rank_batch, seq_len=seq_len,
-                    lr=1e-3, config=config, timeline=True)
-        results["ours", stage]["peak"] = max(event["weights"] for event in out["timeline"])
+                    lr=1e-3, config=config, memory_trace=True)
+        results["ours", stage]["peak"] = max(event["weights"] for event in out["memory_trace"])
     results["fully_shard", 3]["peak"] = fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len)
     return results
 

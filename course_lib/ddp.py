@@ -71,7 +71,7 @@ class _DataParallel(nn.Module):
         super().__init__()
         self.module, self.comm = module, comm
         self.require_sync = True   # False inside no_sync(): gradients only accumulate locally
-        self.timeline: list[dict] | None = None  # set to [] to record when each all-reduce ran
+        self.bucket_log: list[dict] | None = None  # set to [] to record when each bucket's all-reduce ran
         broadcast_parameters(module, comm)
         self._names = {id(p): name for name, p in module.named_parameters()}
 
@@ -96,10 +96,10 @@ class _DataParallel(nn.Module):
     def _record(self, bucket: int, nbytes: int, issued: float, work=None) -> dict | None:
         """If recording, note when an all-reduce was issued, and when it finished: now, or (``work`` of an
         async one) when its future completes."""
-        if self.timeline is None:
+        if self.bucket_log is None:
             return None
         entry = {"bucket": bucket, "bytes": nbytes, "issued": issued}
-        self.timeline.append(entry)
+        self.bucket_log.append(entry)
         if work is None:
             entry["done"] = time.perf_counter()
         else:

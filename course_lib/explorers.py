@@ -232,7 +232,7 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
             bucket_bytes = buckets[label]
             runs[world_size, label] = groups[world_size].run(run_data_parallel, dict(
                 kind="naive" if bucket_bytes is None else "bucketed", bucket_bytes=bucket_bytes or 2**20,
-                steps=steps, timeline=True, config=config, per_rank_batch=per_rank_batch, seq_len=seq_len))
+                steps=steps, bucket_log=True, config=config, per_rank_batch=per_rank_batch, seq_len=seq_len))
         return runs[world_size, label]
 
     def show(_=None):

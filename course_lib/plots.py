@@ -297,7 +297,7 @@ def step_time_split(rows: dict[str, dict[str, float]], *, highlight: str | None 
 
 
 def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, per rank"):
-    """Per rank, two lanes of one step (records of ``ddp.train_step`` with a "timeline" of all-reduces):
+    """Per rank, two lanes of one step (records of ``ddp.train_step`` with a "bucket_log" of all-reduces):
     compute (forward + backward), the wait for communication, and the optimizer; below, each all-reduce from
     when it was issued to when it finished. Times in ms from the first rank's start (one clock per machine)."""
     t0 = min(step["start"] for step in steps_by_rank)
@@ -310,7 +310,7 @@ def ddp_timeline(steps_by_rank: list[dict], *, title: str = "one training step, 
         for phase, begin, end in phases:
             ax.barh(y + 0.18, ms(end) - ms(begin), left=ms(begin), height=0.32, color=DDP_PHASE_COLORS[phase],
                     label=phase if r == 0 else None)
-        entries = step.get("timeline") or []
+        entries = step.get("bucket_log") or []
         lane = 0.4 / max(1, len(entries))             # one thin row per all-reduce, the first on top
         for i, entry in enumerate(entries):
             done = entry.get("done", entry["issued"])
@@ -419,17 +419,17 @@ def zero_wire_bytes(rows: dict[str, dict[str, float]], *, counted: dict[str, flo
     return fig
 
 
-def zero_memory_timeline(timeline: list[dict], *, shard_bytes: int | None = None,
-                         unit: tuple[str, int] = ("KiB", 2**10), title: str = "one ZeRO-3 step on one rank"):
-    """Weights (top) and gradients (bottom) one rank holds over a step (ZeroDataParallel.timeline: bytes
+def zero_memory_trace(trace: list[dict], *, shard_bytes: int | None = None,
+                      unit: tuple[str, int] = ("KiB", 2**10), title: str = "one ZeRO-3 step on one rank"):
+    """Weights (top) and gradients (bottom) one rank holds over a step (ZeroDataParallel.memory_trace: bytes
     counted at every gather, free and reduce), as steps in time; each gather is labelled with its unit."""
     name, scale = unit
-    t0 = timeline[0]["time"]
-    ms = [(e["time"] - t0) * 1e3 for e in timeline]
+    t0 = trace[0]["time"]
+    ms = [(e["time"] - t0) * 1e3 for e in trace]
     fig, axes = plt.subplots(2, 1, figsize=(8.0, 4.4), sharex=True)
-    backward = next((t for t, e in zip(ms, timeline) if e["event"] == "gather (backward)"), None)
+    backward = next((t for t, e in zip(ms, trace) if e["event"] == "gather (backward)"), None)
     for ax, part in zip(axes, ("weights", "grads")):
-        values = [e[part] / scale for e in timeline]
+        values = [e[part] / scale for e in trace]
         ax.step(ms, values, where="post", color=MEMORY_COLORS[part], lw=1.8)
         top = max(values)
         if shard_bytes is not None:
@@ -442,7 +442,7 @@ def zero_memory_timeline(timeline: list[dict], *, shard_bytes: int | None = None
         ax.set(ylabel=f"{part}, {name}", ylim=(0, max(top, 1e-9) * 1.3))   # (an all-zero series: still a range)
         ax.yaxis.label.set_fontsize(8)
         ax.tick_params(labelsize=8)
-    for t, e in zip(ms, timeline):
+    for t, e in zip(ms, trace):
         if e["event"].startswith("gather"):
             axes[0].annotate(e["unit"], (t, e["weights"] / scale), xytext=(1, 2), textcoords="offset points",
                              fontsize=6, rotation=90, va="bottom")

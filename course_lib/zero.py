@@ -142,7 +142,7 @@ class ZeroDataParallel(nn.Module):
     backward inside ``with model.no_sync():`` (stages 0, 1 then reduce once; stages 2, 3 reduce every micro-step
     anyway: they keep no full gradients to add into). ``parameters()`` lists the module's parameters and the
     shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
-    ledger.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``timeline = []`` to record, at each
+    ledger.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``memory_trace = []`` to record, at each
     gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
     """
 
@@ -164,7 +164,7 @@ class ZeroDataParallel(nn.Module):
         if missing:
             raise ValueError(f"parameters in no unit: {missing}; every parameter must belong to one unit")
         self.units = [_Unit(names[id(unit)], unit, comm.size) for unit in units]
-        self.timeline: list[dict] | None = None
+        self.memory_trace: list[dict] | None = None
         self._sync = True
         rank, shards = comm.rank, []
         for unit in self.units:
@@ -306,7 +306,7 @@ class ZeroDataParallel(nn.Module):
         return torch.cat([pieces[id(p)] for p in self.module.parameters()])
 
     def _record(self, event: str, unit: _Unit | None):
-        if self.timeline is not None:
+        if self.memory_trace is not None:
             held = measure_state_bytes(self, self.optimizer)
-            self.timeline.append({"time": time.perf_counter(), "event": event, "unit": unit and unit.name,
+            self.memory_trace.append({"time": time.perf_counter(), "event": event, "unit": unit and unit.name,
                                   "weights": held["weights"], "grads": held["grads"]})

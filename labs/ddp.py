@@ -53,11 +53,11 @@ def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batc
         for step in range(steps):
             batches = [(x.to(dev), y.to(dev)) for x, y in
                        micro_batches(data, step, per_rank_batch, rank, world_size, accumulation)]
-            if hasattr(parallel, "timeline"):
-                parallel.timeline = []
+            if hasattr(parallel, "bucket_log"):
+                parallel.bucket_log = []
             with comm.trace() as log:
                 record = train_step(parallel, optimizer, batches)
-            record.update(wire_bytes=log.wire_bytes, timeline=getattr(parallel, "timeline", None) or [])
+            record.update(wire_bytes=log.wire_bytes, bucket_log=getattr(parallel, "bucket_log", None) or [])
             records.append(record)
             if progress is not None:
                 progress.update()
@@ -107,16 +107,16 @@ def main():
     steps = results[0]["bucketed"]["steps"]
     totals = [s["end"] - s["start"] for s in steps[1:]]
     typical = 1 + sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
-    timeline = [r["bucketed"]["steps"][typical] for r in results]
+    bucketed_steps = [r["bucketed"]["steps"][typical] for r in results]
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"world_size": p, "backend": backend, "device": name, "params": grad_bytes // 4,
-              "bucket_mb": args.bucket_mb, "rows": rows, "bucketed_step_per_rank": timeline}
+              "bucket_mb": args.bucket_mb, "rows": rows, "bucketed_step_per_rank": bucketed_steps}
     (args.out / "ddp.json").write_text(json.dumps(record, indent=1))
     from course_lib.plots import ddp_timeline, step_time_split
     step_time_split({row["kind"]: {"compute": row["compute_ms"] / 1e3, "exposed communication": row["exposed_ms"] / 1e3,
                                    "optimizer": row["optimizer_ms"] / 1e3} for row in rows},
                     title=f"{p} ranks ({backend}): where a step's time goes").savefig(args.out / "ddp.png", dpi=100)
-    ddp_timeline(timeline, title=f"bucketed DDP, step {typical}, {p} ranks ({backend})").savefig(
+    ddp_timeline(bucketed_steps, title=f"bucketed DDP, step {typical}, {p} ranks ({backend})").savefig(
         args.out / "ddp_timeline.png", dpi=100)
     print(f"wrote {args.out / 'ddp.json'}, ddp.png and ddp_timeline.png")
 

@@ -174,5 +174,15 @@ def test_a_learner_runs_notebook_00_moves_a_widget_and_stops_a_long_cell(lab):
         page.keyboard.press("Shift+Enter")
         wait_for(lambda: page.get_by_text("still here: 42").count() == 1, 30, "the kernel to answer")
         assert gone(pids), "rank processes left behind"
+
+        # An interactive (plotly) figure renders in the page: 4 stages × 8 micro-batches × (F, B) = 64 bars.
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")
+        page.keyboard.press("Enter")
+        page.keyboard.insert_text("from course_lib import interactive\nfrom course_lib.pipeline_parallel import simulate\n"
+                                  "interactive.show(interactive.pipeline_gantt(simulate('1f1b', 4, 8, 1.0, 2.0)))")
+        page.keyboard.press("Shift+Enter")
+        bars = page.locator(".js-plotly-plot g.point")
+        wait_for(lambda: bars.count() == 64, 30, "the plotly Gantt chart's 64 bars")
         page.screenshot(path=str(REPO / ".pytest-browser.png"))  # ignored by git; handy when this fails
         browser.close()

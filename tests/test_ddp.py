@@ -36,7 +36,7 @@ VARIANTS = [("naive", MiB), ("bucketed", 1), ("bucketed", 64 * 1024), ("bucketed
 
 def every_variant(rank, world_size, accumulation_steps):
     """One launch, every implementation in turn (a fresh launch per variant would re-import half of torch)."""
-    common = dict(steps=STEPS, accumulation_steps=accumulation_steps, lr=LR, optimizer="sgd", timeline=True,
+    common = dict(steps=STEPS, accumulation_steps=accumulation_steps, lr=LR, optimizer="sgd", bucket_log=True,
                   spread=True, dtype=DTYPE)
     runs = {variant: run_data_parallel(rank, world_size, kind=variant[0], bucket_bytes=variant[1], **common)
             for variant in VARIANTS}
@@ -118,12 +118,12 @@ def test_bytes_on_the_wire_per_step_are_gradient_bytes_times_the_ring_factor(set
 def test_buckets_fill_in_reverse_and_are_sent_during_backward(setup):
     _, _, per_rank = setup
     step = per_rank[0]["bucketed", 64 * 1024]["steps"][-1]
-    issued = [entry["issued"] for entry in step["timeline"]]
-    assert [entry["bucket"] for entry in step["timeline"]] == list(range(len(issued)))   # in order
+    issued = [entry["issued"] for entry in step["bucket_log"]]
+    assert [entry["bucket"] for entry in step["bucket_log"]] == list(range(len(issued)))   # in order
     assert sum(t < step["backward"] for t in issued) >= len(issued) - 1 >= 2   # all but the last overlap backward
-    assert all(entry["done"] >= entry["issued"] for entry in step["timeline"])
+    assert all(entry["done"] >= entry["issued"] for entry in step["bucket_log"])
     naive = per_rank[0]["naive", MiB]["steps"][-1]
-    assert all(entry["issued"] >= naive["backward"] for entry in naive["timeline"])   # naive: nothing overlaps
+    assert all(entry["issued"] >= naive["backward"] for entry in naive["bucket_log"])   # naive: nothing overlaps
 
 
 def test_steps_record_their_phases_in_order_and_medians_add_up(setup):

@@ -239,12 +239,12 @@ def test_replica_drift_draws_one_line_per_setup_from_step_one():
     assert ax.get_title() == "drift" and ax.get_xlabel() == "optimizer step"
 
 
-def step_record(start, compute, exposed, optimizer, timeline=None):
+def step_record(start, compute, exposed, optimizer, bucket_log=None):
     """A record of ddp.train_step: when each phase ended, and the all-reduces issued in the step."""
     record = {"start": start, "backward": start + compute, "synced": start + compute + exposed,
               "end": start + compute + exposed + optimizer}
-    if timeline is not None:
-        record["timeline"] = timeline
+    if bucket_log is not None:
+        record["bucket_log"] = bucket_log
     return record
 
 
@@ -322,7 +322,7 @@ def test_zero_wire_bytes_stack_the_collectives_and_write_the_ratio_to_the_first(
 
 
 def zero_step(units=("layers.0", "layers.1"), shard=100, block=400):
-    """ZeroDataParallel.timeline of one ZeRO-3 step on one rank: each unit gathered forward, then backward."""
+    """ZeroDataParallel.memory_trace of one ZeRO-3 step on one rank: each unit gathered forward, then backward."""
     events, t, held = [], 10.0, shard
 
     def record(event, unit, weights, grads):
@@ -341,9 +341,9 @@ def zero_step(units=("layers.0", "layers.1"), shard=100, block=400):
     return events
 
 
-def test_zero_memory_timeline_draws_weights_and_grads_over_the_step_with_each_gather_named():
+def test_zero_memory_trace_draws_weights_and_grads_over_the_step_with_each_gather_named():
     timeline = zero_step()
-    fig = plots.zero_memory_timeline(timeline, shard_bytes=100, unit=("B", 1), title="ZeRO-3, rank 0")
+    fig = plots.zero_memory_trace(timeline, shard_bytes=100, unit=("B", 1), title="ZeRO-3, rank 0")
     weights, grads = fig.axes
     assert weights.get_title() == "ZeRO-3, rank 0" and grads.get_xlabel() == "milliseconds since the step began"
     (step,) = [line for line in weights.get_lines() if line.get_drawstyle() == "steps-post"]
@@ -355,9 +355,9 @@ def test_zero_memory_timeline_draws_weights_and_grads_over_the_step_with_each_ga
     assert weights.get_ylabel() == "weights, B" and grads.get_ylabel() == "grads, B"
 
 
-def test_zero_memory_timeline_without_a_shard_or_a_backward_draws_no_guides():
+def test_zero_memory_trace_without_a_shard_or_a_backward_draws_no_guides():
     forward_only = [{**e, "grads": 100} for e in zero_step() if e["event"].endswith("(forward)")]
-    fig = plots.zero_memory_timeline(forward_only, unit=("B", 1))
+    fig = plots.zero_memory_trace(forward_only, unit=("B", 1))
     weights, _ = fig.axes
     assert "forward" not in texts(weights) and lines_at(weights, y=100) == []
 

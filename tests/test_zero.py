@@ -46,7 +46,7 @@ def every_run(rank, world_size):
     for stage in range(4):
         # the ledger's convention: bf16 weights and grads, MixedPrecisionAdam (12 bytes of fp32 state)
         runs["mixed", stage] = train(rank, world_size, stage=stage, steps=2, optimizer="mixed",
-                                     dtype=torch.bfloat16, timeline=True)
+                                     dtype=torch.bfloat16, memory_trace=True)
         runs["sgd", stage] = train(rank, world_size, stage=stage, steps=STEPS, optimizer="sgd", lr=0.1,
                                    dtype=torch.float64)
         runs["adam", stage] = train(rank, world_size, stage=stage, steps=STEPS, dtype=torch.float64)
@@ -178,28 +178,28 @@ def test_traced_bytes_with_gradient_accumulation(accumulated):
 
 def test_stage3_gathers_each_unit_twice_and_holds_one_at_a_time(setup):
     world_size, per_rank = setup
-    timeline = per_rank[0]["mixed", 3]["timeline"]
+    trace = per_rank[0]["mixed", 3]["memory_trace"]
     model = build(TINY)
     units = [name for name, m in model.named_modules() if m in default_units(model)]
-    gathers = [(e["event"], e["unit"]) for e in timeline if e["event"].startswith("gather")]
+    gathers = [(e["event"], e["unit"]) for e in trace if e["event"].startswith("gather")]
     assert gathers == [("gather (forward)", u) for u in units] + [("gather (backward)", u) for u in units[::-1]]
     shard_bytes = 2 * padded_num_params(model, world_size) // world_size
     largest_unit = 2 * max(sum(p.numel() for p in m.parameters()) for m in default_units(model))
     largest_buffer = 2 * world_size * -(-largest_unit // 2 // world_size)     # the flat buffer, padding included
-    assert max(e["weights"] for e in timeline) == shard_bytes + largest_buffer  # one block's weights, no more
-    assert timeline[-1]["weights"] == shard_bytes                               # all freed after the step
+    assert max(e["weights"] for e in trace) == shard_bytes + largest_buffer  # one block's weights, no more
+    assert trace[-1]["weights"] == shard_bytes                               # all freed after the step
     # backward: one unit's full gradients at a time (autograd's, unpadded), then only the shard's
-    assert max(e["grads"] for e in timeline) == shard_bytes + largest_unit
-    assert timeline[-1]["grads"] == shard_bytes
+    assert max(e["grads"] for e in trace) == shard_bytes + largest_unit
+    assert trace[-1]["grads"] == shard_bytes
 
 
 def test_stage2_never_holds_all_gradients(setup):
     world_size, per_rank = setup
-    timeline = per_rank[0]["mixed", 2]["timeline"]
+    trace = per_rank[0]["mixed", 2]["memory_trace"]
     shard_bytes = 2 * padded_num_params(build(TINY), world_size) // world_size
     largest_unit = 2 * max(sum(p.numel() for p in m.parameters()) for m in default_units(build(TINY)))
-    assert max(e["grads"] for e in timeline) == shard_bytes + largest_unit < 2 * P
-    assert all(e["weights"] == 2 * padded_num_params(build(TINY), world_size) for e in timeline)
+    assert max(e["grads"] for e in trace) == shard_bytes + largest_unit < 2 * P
+    assert all(e["weights"] == 2 * padded_num_params(build(TINY), world_size) for e in trace)
 
 
 def _uneven_shards(rank, world_size):

@@ -79,13 +79,13 @@ def replica_spread(model: nn.Module, comm: Comm) -> float:
 def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", steps: int = 3,
                       per_rank_batch: int = 4, accumulation_steps: int = 1, bucket_bytes: int = 25 * MiB,
                       lr: float = 1e-2, optimizer: str = "adam", seq_len: int = 32, config=None, seed: int = 0,
-                      timeline: bool = False, spread: bool = False, dtype=None) -> dict:
+                      bucket_log: bool = False, spread: bool = False, dtype=None) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model, in ``dtype``, float32 by default)
     data-parallel as ``kind``, with ``optimizer`` "adam" (as course_lib.train) or "sgd" (whose update is
     linear in the gradient).
 
     Returns {"steps": one dict per step (train_step's times and loss, plus "wire_bytes" and "all_reduces"
-    traced through the Comm, "bytes_written" by this process, "timeline" of the all-reduces if asked,
+    traced through the Comm, "bytes_written" by this process, "bucket_log" (when each bucket's all-reduce was issued and done) if asked,
     "spread" between replicas if asked), "params": the final weights, flattened, "grad_bytes"}.
     """
     optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -101,16 +101,16 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in
                    micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)]
-        if timeline and isinstance(parallel, _DataParallel):
-            parallel.timeline = []
+        if bucket_log and isinstance(parallel, _DataParallel):
+            parallel.bucket_log = []
         with comm.trace() as log:
             written = bytes_written()
             record = train_step(parallel, update, batches)
             record["bytes_written"] = None if written is None else bytes_written() - written
         totals = log.summary().get("all_reduce")
         record.update(wire_bytes=log.wire_bytes, all_reduces=totals.count if totals else 0)
-        if timeline:
-            record["timeline"] = getattr(parallel, "timeline", None) or []
+        if bucket_log:
+            record["bucket_log"] = getattr(parallel, "bucket_log", None) or []
         if spread:
             record["spread"] = replica_spread(model, comm)
         records.append(record)

@@ -28,7 +28,7 @@ IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
 
 def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
           accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
-          dtype=torch.float32, config=None, seed: int = 0, timeline: bool = False, progress: bool = False) -> dict:
+          dtype=torch.float32, config=None, seed: int = 0, memory_trace: bool = False, progress: bool = False) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
     "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
     "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
@@ -42,7 +42,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
     all of them over the whole optimizer step (every micro-step); "losses" is the mean over the micro-steps;
     "bytes_written" (counted by the kernel; None without /proc); and "state" (measure_state_bytes after the last
-    step), "params" (the full weights, flattened), "timeline" (ours, last step, if asked).
+    step), "params" (the full weights, flattened), "memory_trace" (ours, last step, if asked).
     ``progress``: a tqdm bar on rank 0.
     """
 
@@ -75,7 +75,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
             update = optimizer_class(module.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
-           "timeline": None}
+           "memory_trace": None}
     steps_range = range(steps)
     if progress and rank == 0:
         steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
@@ -85,8 +85,8 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
         if impl != "ours":
             update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
-        if timeline and impl == "ours" and step == steps - 1:
-            model.timeline = []
+        if memory_trace and impl == "ours" and step == steps - 1:
+            model.memory_trace = []
         comm.barrier()
         written, start = bytes_written(), time.perf_counter()
         with comm.trace() as log:
@@ -108,7 +108,7 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
         run["losses"].append(sum(loss.item() for loss in micro_losses))
     run["state"] = measure_state_bytes(model, update)
     if impl == "ours":
-        run["params"], run["timeline"] = model.full_parameters().cpu(), model.timeline
+        run["params"], run["memory_trace"] = model.full_parameters().cpu(), model.memory_trace
     elif impl == "fully_shard":
         run["params"] = torch.cat([p.full_tensor().reshape(-1) for p in module.parameters()]).cpu()
     else:
