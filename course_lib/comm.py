@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RING_FACTOR = {  # bytes sent per rank / payload bytes, for a ring over p ranks
     "all_reduce": lambda p: 2 * (p - 1) / p,
@@ -265,3 +266,23 @@ def bytes_written() -> int | None:
             return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
     except (OSError, StopIteration):
         return None
+
+
+class WatchCollectives(TorchDispatchMode):
+    """Inside ``with WatchCollectives() as watch:`` every all-gather and reduce-scatter that torch's own
+    implementations issue (FSDP2, DTensor: they call c10d directly, not through a Comm) is noted in
+    ``watch.records`` as (op, payload bytes), the payload being the full tensor, as ``Comm`` counts it: the
+    gather's output, the scatter's input. It sees them as torch dispatches them, below the Python API."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "allgather" in name or "reduce_scatter" in name:
+            op = "all_gather" if "allgather" in name else "reduce_scatter"
+            full = args[0] if op == "all_gather" else args[1]
+            self.records.append((op, full.numel() * full.element_size()))
+        return func(*args, **(kwargs or {}))
+

@@ -9,12 +9,13 @@ import time
 import warnings
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from tqdm.auto import tqdm
 
-from ..comm import Comm, bytes_written
+from ..comm import Comm, WatchCollectives, bytes_written
 from ..data import SyntheticTokens, micro_batches
 from ..launch import device
 from ..measure import measure_state_bytes
@@ -114,3 +115,38 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     else:
         run["params"] = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
     return run
+
+
+def fully_shard_model(world_size: int, *, dtype=None, seed: int = 0):
+    """The tiny model under torch's FSDP2 as a pure ZeRO-3: every unit of ours (default_units) and the root
+    sharded over all ranks, resharded after forward."""
+    model = build(preset("tiny"), seed=seed, dtype=dtype)
+    mesh = init_device_mesh(device().type, (world_size,))
+    for unit in default_units(model):
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def fully_shard_traffic(rank: int, world_size: int, *, batch_size: int = 4, seq_len: int = 32) -> list:
+    """One forward + backward of FSDP2 on this rank's own data: every collective torch issued, (op, bytes)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's notice on reduce_scatter/all_gather
+    model = fully_shard_model(world_size)
+    inputs, targets = SyntheticTokens(model.config.vocab_size, seq_len, seed=rank).batch(0, batch_size)
+    with WatchCollectives() as watch:
+        loss_fn(model(inputs), targets).backward()
+    return watch.records
+
+
+def fully_shard_peak(rank: int, world_size: int, *, dtype=torch.float64) -> dict[str, int]:
+    """FSDP2's peak memory in one Adam step, by torch's own tool (FSDPMemTracker): bytes by kind
+    ("SHARDED_PARAM", "UNSHARDED_PARAM", ...). The step before it is untracked: it makes Adam's state."""
+    model = fully_shard_model(world_size, dtype=dtype)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    inputs, targets = SyntheticTokens(model.config.vocab_size, 32, seed=0).rank_batch(0, 8, rank, world_size)
+    for step in range(2):
+        with FSDPMemTracker(model, adam) if step else contextlib.nullcontext() as tracker:
+            adam.zero_grad(set_to_none=False)
+            loss_fn(model(inputs), targets).backward()
+            adam.step()
+    return {str(kind).split(".")[-1]: nbytes for kind, nbytes in tracker.get_tracker_snapshot("peak")[device()].items()}
+
