@@ -144,3 +144,9 @@ def measure_step(model, optimizer, inputs, targets, loss_fn) -> dict:
         torch.cuda.synchronize()
         cuda_peak = torch.cuda.max_memory_allocated()
     return {"activations": saved, "state": measure_state_bytes(model, optimizer), "cuda_peak": cuda_peak}
+
+
+def memtracker_bytes(snapshot: dict, kind: str) -> int:
+    """Bytes of one kind ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Total") in a snapshot of
+    torch's MemTracker (torch.distributed._tools.mem_tracker), whose keys are enum members."""
+    return next(nbytes for key, nbytes in snapshot.items() if getattr(key, "value", key) == kind)

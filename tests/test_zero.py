@@ -28,7 +28,7 @@ from course_lib.data import SyntheticTokens
 from course_lib.ledger import zero_state_bytes
 from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
-from course_lib.runs.zero import train
+from course_lib.runs.zero import fully_shard_traffic, train
 from course_lib.train import reference_run
 from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, wire_bytes_per_step
 
@@ -307,3 +307,10 @@ def test_one_rank_keeps_everything():
         return measure_state_bytes(model, model.optimizer)
     state = launch(one_rank, 1)[0]
     assert state["total"] == 16 * P
+
+
+def test_torchs_fully_shard_gathers_every_weight_twice_and_reduce_scatters_every_gradient_once():
+    """FSDP2 calls c10d itself: WatchCollectives sees its collectives as torch dispatches them."""
+    for records in launch(fully_shard_traffic, 2, batch_size=4, seq_len=16, timeout=60):
+        payload = {op: sum(n for o, n in records if o == op) for op in ("all_gather", "reduce_scatter")}
+        assert payload == {"all_gather": 2 * 4 * P, "reduce_scatter": 4 * P}    # float32: forward and backward
