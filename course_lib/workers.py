@@ -366,6 +366,9 @@ def destroy_group() -> None:
 
 def _worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w):
     os.setpgrp()  # Jupyter's stop button signals the kernel's process group; ours is separate
+    # Interruptible whatever we inherited: a process started in the background by a shell (a CI job, nohup)
+    # ignores SIGINT, and so would every rank, and World could then only restart a rank stuck in a loop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent()
     for fd, end in ((1, out_w), (2, err_w)):
         os.dup2(end.fileno(), fd)

@@ -4,13 +4,17 @@ The first half drives the ``World`` API directly; the second drives the ``%%rank
 kernel, the way a learner does (interrupts included).
 """
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 import torch
 
-from conftest import gone, run_cell
+from conftest import REPO, gone, run_cell
 from course_lib import RankError, RankTimeout, World
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
@@ -193,3 +197,14 @@ def test_killing_the_kernel_leaves_no_ranks_behind(kernel):
     assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
     km.shutdown_kernel(now=True)
     assert gone(pids), "ranks outlived their kernel"
+
+
+def test_ranks_stay_interruptible_when_started_from_a_background_job():
+    """A shell starts background jobs (CI, nohup) with SIGINT ignored; the ranks must still be interruptible."""
+    script = ("from course_lib import World\n"
+              "with World(2) as world:\n"
+              "    print(world.exec('while True:\\n    pass', timeout=1).world)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stdout + out.stderr[-2000:]
