@@ -142,7 +142,7 @@ class ZeroDataParallel(nn.Module):
     backward inside ``with model.no_sync():`` (stages 0, 1 then reduce once; stages 2, 3 reduce every micro-step
     anyway: they keep no full gradients to add into). ``parameters()`` lists the module's parameters and the
     shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
-    ledger.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``memory_trace = []`` to record, at each
+    measure.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``memory_trace = []`` to record, at each
     gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
     """
 

@@ -12,7 +12,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ..comm import Comm, bytes_written
 from ..data import SyntheticTokens, micro_batches
-from ..ddp import BucketedDDP, NaiveDDP, _DataParallel
+from ..ddp import BucketedDDP, NaiveDDP
 from ..launch import device
 from ..model import build, loss_fn, preset
 from ..units import MiB
@@ -101,7 +101,7 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in
                    micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)]
-        if bucket_log and isinstance(parallel, _DataParallel):
+        if bucket_log and hasattr(parallel, "bucket_log"):   # ours; torch's DDP keeps no log
             parallel.bucket_log = []
         with comm.trace() as log:
             written = bytes_written()
