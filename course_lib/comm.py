@@ -25,6 +25,7 @@ fits time = α + n/β to the measurements and predicts a collective's time (used
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -227,7 +228,7 @@ def measure_bandwidth(comm: Comm, op: str = "all_reduce", sizes_bytes=(2**10, 2*
             run()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-        seconds = sorted(times)[len(times) // 2]
+        seconds = statistics.median_high(times)
         algbw = full.nbytes / seconds
         rows.append({"op": op, "bytes": full.nbytes, "seconds": seconds, "algbw": algbw,
                      "busbw": algbw * BUS_FACTOR[op](comm.size)})

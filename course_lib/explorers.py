@@ -32,6 +32,13 @@ def _settle(controls: dict, label_width: str = "100px") -> None:
             control.continuous_update = False
 
 
+def _redraw_on_change(controls: dict, show) -> None:
+    """Call ``show`` whenever a control's value changes, and once now."""
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+
+
 def learning_rate_explorer(rates=LEARNING_RATES, value=1e-2, steps=40):
     """A slider over learning rates → the tiny model's loss curve at that rate, trained for real.
 
@@ -147,9 +154,7 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
                 verdict = "fits" if total <= capacity else f"does not fit: {total / capacity:.1f}× the card"
                 print(f"{row:38} {total / GiB:10,.1f} GiB  {verdict}")
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel.controls = controls   # so a notebook cell can set values and read panel.rows
     return panel
 
@@ -194,9 +199,7 @@ def tp_speed_explorer(measured: list[dict] | None = None, hiddens=(64, 128, 256,
                 print(f"(TP={p} here puts {p} ranks on {cores} CPU cores: they take turns, and every all-reduce "
                       "waits for ranks that are not running; on a GPU box each rank has its own GPU)")
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel = widgets.VBox([widgets.HBox(list(controls.values())), out])
     panel.rows, panel.controls = rows, controls   # for a notebook cell to read what was measured
     return panel
@@ -255,9 +258,7 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
             display(fig)
             plt.close(fig)
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel = widgets.VBox([widgets.HBox(list(controls.values())), out])
     panel.controls, panel.runs = controls, runs
 
@@ -317,9 +318,7 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
                   + ("" if factor == 1 else ": it assumes equal stages, and these are not"))
             print("peak micro-batches in flight per stage:", [timeline.peak_in_flight(r) for r in range(p)])
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel = widgets.VBox([widgets.HBox([widgets.VBox([controls["stages"], controls["microbatches"]]),
                                         widgets.VBox([controls["schedule"], controls["cost"]])]), out])
     panel.controls, panel.runs = controls, runs
@@ -383,9 +382,7 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
             print(f"{names[chosen]} on {n} ranks: {state / GiB:,.1f} GiB of training state per rank ({verdict}, "
                   f"before activations); each rank sends {panel.wire[names[chosen]] / GiB:,.1f} GiB per step")
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel.controls = controls   # a notebook cell can set values and read panel.memory and panel.wire
     return panel
 
@@ -441,8 +438,6 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="80 GiB (A100 80GB)", gp
             print(f"(state only, in GiB = 2**30 bytes; activations come on top: notebook 01. Card: "
                   f"{capacity / GiB:.0f} GiB)")
 
-    for control in controls.values():
-        control.observe(show, names="value")
-    show()
+    _redraw_on_change(controls, show)
     panel.controls = controls
     return panel

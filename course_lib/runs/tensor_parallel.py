@@ -3,6 +3,7 @@ one rank against split over TP ranks, timed."""
 
 from __future__ import annotations
 
+import statistics
 from contextlib import nullcontext
 from time import perf_counter
 
@@ -76,5 +77,5 @@ def step_seconds(model: nn.Module, inputs, targets, comm: Comm | None = None, *,
         model.zero_grad(set_to_none=True)
         if i >= warmup:
             runs.append((seconds, sum(r.seconds for r in log.records) if log is not None else 0.0))
-    seconds, comm_seconds = sorted(runs)[len(runs) // 2]
+    seconds, comm_seconds = statistics.median_high(runs)   # by seconds: the upper middle run
     return {"seconds": seconds, "comm_seconds": comm_seconds, "compute_seconds": seconds - comm_seconds}
