@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# Served from the repository's root, so that course_lib/ and labs/ are in JupyterLab's file browser; it opens
+# on notebook 00. JUPYTER_PATH puts the course's kernel spec (.jupyter/kernels/python3) before the default one:
+# the same Python kernel, started with the %ranks magics loaded, so they are there again after a restart.
+LAB_JUPYTER_PATH := $(CURDIR)/.jupyter$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 lab: setup
-	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/00_training_step.ipynb
+	JUPYTER_PATH=$(LAB_JUPYTER_PATH) $(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=$(CURDIR) \
+		--LabApp.default_url=/lab/tree/notebooks/00_training_step.ipynb
 
 test: setup
 	$(PY) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider

@@ -11,9 +11,9 @@ __all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup", "World
 
 def load_ipython_extension(ipython):
     """``%load_ext course_lib`` adds the ``%ranks`` / ``%%ranks`` magics (see course_lib/magics.py)."""
-    from .magics import RanksMagics
+    from .magics import load_ipython_extension as add_magics
 
-    ipython.register_magics(RanksMagics)
+    add_magics(ipython)
 
 
 def unload_ipython_extension(ipython):

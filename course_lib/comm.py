@@ -17,6 +17,8 @@ Bytes on the wire per rank, for a ring over p ranks (n = payload bytes, as nccl-
     broadcast              n         nccl-tests' bus factor 1 (a pipelined ring forwards n per rank;
                                      gloo's tree sends 2n, n, 0, 0 at p = 4: the total differs by op and library)
     send / recv            n / 0     the sender counts the bytes; the receiver sends nothing
+    all_to_all        (p-1)/p · n    n = the whole input, p equal chunks, chunk j to rank j: a rank keeps its
+                                     own chunk and sends the p-1 others (pairwise, not a ring; nccl-tests' factor)
 
 These factors are also nccl-tests' "bus bandwidth" factors: busbw = algbw × factor, with algbw = n / time, so
 busbw compares hardware across ops and sizes. :func:`measure_bandwidth` measures both; :class:`CostModel`
@@ -42,6 +44,7 @@ RING_FACTOR = {  # bytes sent per rank / payload bytes, for a ring over p ranks
     "broadcast": lambda p: 1.0 if p > 1 else 0.0,
     "send": lambda p: 1.0,
     "recv": lambda p: 0.0,
+    "all_to_all": lambda p: (p - 1) / p,
 }
 
 
@@ -145,6 +148,18 @@ class Comm:
         start = time.perf_counter()
         work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
         self._record("all_gather", output.nbytes, start)
+        return work
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """``input`` is p equal chunks along dim 0: chunk j goes to rank j, and chunk i of ``output`` (same shape)
+        comes from rank i. Equal chunks only (pad to a fixed size, as GShard does): this rank sends (p-1)/p of
+        ``input``'s bytes, its own chunk staying here."""
+        if input.shape != output.shape or input.dim() == 0 or input.shape[0] % self.size:
+            raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
+                             f"the same shape, with dim 0 divisible by {self.size} (the group size)")
+        start = time.perf_counter()
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        self._record("all_to_all", input.nbytes, start)
         return work
 
     def _global(self, rank: int) -> int:
@@ -267,6 +282,21 @@ def bytes_written() -> int | None:
             return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
     except (OSError, StopIteration):
         return None
+
+
+def framing_bytes_per_message(counted_bytes: int, payload_bytes: float, num_all_reduces: int,
+                              world_size: int) -> float:
+    """What the transport added to each message: (bytes counted by the kernel - payload) / messages, a ring
+    all-reduce sending 2(p-1) messages per rank. gloo's is a fixed few hundred bytes, whatever the size."""
+    return (counted_bytes - payload_bytes) / (num_all_reduces * 2 * (world_size - 1))
+
+
+def all_reduces_from_framing(counted_bytes: int, payload_bytes: float, framing_bytes: float,
+                             world_size: int) -> float:
+    """The inverse: how many ring all-reduces carried ``payload_bytes`` if each message costs ``framing_bytes``
+    extra. A whole number means the framing explains every extra byte; torch's DDP does not say how many
+    buckets it used, and this counts them."""
+    return (counted_bytes - payload_bytes) / (2 * (world_size - 1) * framing_bytes)
 
 
 class WatchCollectives(TorchDispatchMode):

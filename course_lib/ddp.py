@@ -165,6 +165,10 @@ class BucketedDDP(_DataParallel):
         if len(self._in_flight) < len(self.buckets):
             missing = [self._names[id(p)] for bucket in self.buckets[len(self._in_flight):] for p in bucket
                        if p.grad is None]
+            if not self._in_flight and not missing:   # every gradient is there, none was handed to a bucket
+                raise RuntimeError("no gradient was all-reduced since the last finish_gradient_sync(): no backward "
+                                   "ran outside no_sync() since then. Call it once per step, after the last "
+                                   "micro-batch's backward, which runs outside no_sync()")
             raise RuntimeError(f"{len(self.buckets) - len(self._in_flight)} of {len(self.buckets)} buckets were "
                                f"never complete; parameters without a gradient: {missing or 'none'}. Every "
                                "parameter must take part in the loss (torch's DDP has find_unused_parameters)")

@@ -1,8 +1,12 @@
 """Checkers for the "your turn" exercises. Each runs the learner's code for real and says what is wrong.
 
 A checker returns True when the answer is right. An unfinished answer (still raising NotImplementedError)
-gets a hint instead of an error, so a notebook runs top to bottom before the learner has tried.
+gets "Not done yet" instead of an error, so a notebook runs top to bottom before the learner has tried. The
+reference answers are in solutions.py, shown only to a learner who asks: ``solution("mean_over_ranks")``.
 """
+
+import functools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -10,32 +14,62 @@ from torch.nn.utils import parameters_to_vector
 
 from .comm import Comm
 from .ddp import BucketedDDP
-from .launch import RankError, launch
-from .ledger import ZERO_STAGES
+from .launch import RankError, RankTimeout, launch
 from .measure import SavedActivations
-from .mesh import Mesh
 from .model import MLP, build, preset
 from .pipeline_parallel import bubble_fraction, pipeline_makespan, simulate
-from .plan import bad_smells, need_per_gpu
 from .runs.pipeline import pipeline_worker, single_process_step
-from .units import GiB
+from .solutions import solution as solution  # exercises.solution(name): a learner who asks sees an answer
 
 NOT_DONE = "Not done yet: replace `raise NotImplementedError` with your code, then run this cell again."
+TIMEOUT_SECONDS = 30.0     # a checker's ranks take well under a second: still running after this, they hang
+NOTICE_SECONDS = 3.0       # ranks still running after this long: say that the checker is waiting for them
+
+
+def _exercise(check):
+    """Mark ``check`` as the checker of exercise ``check_<name>``: after an answer that did not pass, say how
+    to see the reference answer (the notebooks never show it unless the learner asks)."""
+    name = check.__name__.removeprefix("check_")
+
+    @functools.wraps(check)
+    def checked(*args, **kwargs) -> bool:
+        passed = check(*args, **kwargs)
+        if not passed:
+            print(f"  stuck? run exercises.solution({name!r}) to see a reference answer")
+        return passed
+    return checked
 
 
 def _unfinished(err: RankError) -> bool:
     return "NotImplementedError" in err.summary
 
 
-def _run_on_ranks(trial, world_size: int, what: str = "function", **kwargs):
-    """Run ``trial`` on ``world_size`` ranks; on a failure print what happened and return None."""
+def _run_on_ranks(trial, world_size: int, what: str = "function", timeout: float | None = None,
+                  explain=None, **kwargs):
+    """Run ``trial`` on ``world_size`` ranks and return their results; on a failure print what happened and
+    return None. ``explain(summary)`` may return a better message for an error it recognises."""
+    timeout = timeout or TIMEOUT_SECONDS
+    # A hang would show nothing until the timeout: say after a few seconds that the ranks are still running
+    # (from a timer thread, so that it speaks even while the ranks start).
+    notice = threading.Timer(NOTICE_SECONDS, print, [f"waiting for {world_size} ranks… (a hang is reported "
+                                                     f"after {timeout:g} s)"], {"flush": True})
+    notice.start()
     try:
-        return launch(trial, world_size, **kwargs)
+        return launch(trial, world_size, timeout=timeout, **kwargs)
+    except RankTimeout as err:
+        where = "\n".join(f"--- where rank {r} was ---\n{err.stacks.get(r, '(no stack)').rstrip()}"
+                          for r in err.ranks)
+        print(f"Your {what} did not finish within {timeout:g} s: ranks {err.ranks} were still running (a "
+              f"collective that not every rank called, or a loop that never ends?), and were stopped.\n{where}")
     except RankError as err:
-        print(NOT_DONE if _unfinished(err) else f"Your {what} failed on {err}")
-        return None
+        message = explain and explain(err.summary)
+        print(NOT_DONE if _unfinished(err) else message or f"Your {what} failed on {err}")
+    finally:
+        notice.cancel()
+    return None
 
 
+@_exercise
 def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
     """00: ``mean_over_ranks(rank, world_size, value)`` must return, on every rank, the mean of all
     ranks' ``value`` tensors, and leave the caller's ``value`` as it was."""
@@ -47,7 +81,7 @@ def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
         dist.barrier()
         return result, torch.equal(value, original)
 
-    results = _run_on_ranks(trial, world_size, timeout=30)
+    results = _run_on_ranks(trial, world_size)
     if results is None:
         return False
     expected = torch.arange(3.0) + 10 * (world_size - 1) / 2
@@ -63,6 +97,7 @@ def check_mean_over_ranks(mean_over_ranks, world_size: int = 4) -> bool:
     return True
 
 
+@_exercise
 def check_mlp_saved_bytes(mlp_saved_bytes) -> bool:
     """01: ``mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_per_value)`` must predict the
     bytes the course's SwiGLU MLP saves for backward, given an input that requires grad. Checked against a
@@ -97,6 +132,7 @@ def check_mlp_saved_bytes(mlp_saved_bytes) -> bool:
     return True
 
 
+@_exercise
 def check_copy_to_tp_region(MyCopy) -> bool:
     """04: ``MyCopy`` must be Megatron's f as a torch.autograd.Function: ``MyCopy.apply(x, comm)`` returns x
     unchanged (no communication) and its backward all-reduces the gradient with ``comm.all_reduce`` (one
@@ -119,7 +155,7 @@ def check_copy_to_tp_region(MyCopy) -> bool:
         local_grad = (torch.cos(x.detach() @ columns) @ columns.T)
         return (identity, len(forward.records), len(backward.records), x.grad, dense_grad, local_grad)
 
-    results = _run_on_ranks(trial, 2, what="Function", timeout=30)
+    results = _run_on_ranks(trial, 2, what="Function")
     if results is None:
         return False
     for rank, (identity, forward_count, backward_count, grad, dense_grad, local_grad) in enumerate(results):
@@ -145,6 +181,7 @@ def check_copy_to_tp_region(MyCopy) -> bool:
     return True
 
 
+@_exercise
 def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbatches: int = 3) -> bool:
     """02: ``accumulation_step(ddp, optimizer, micro_batches, loss_fn)`` must run one optimizer step of
     gradient accumulation on a ``course_lib.ddp.BucketedDDP``: every micro-batch's forward and backward,
@@ -161,13 +198,21 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         rows = [(torch.randn(2 * world_size, 8, generator=data), torch.randn(2 * world_size, 4, generator=data))
                 for _ in range(num_microbatches)]                # every micro-batch of every rank
         mine = [(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]) for x, y in rows]
+        synced = []   # one entry per backward: True if it ran outside no_sync(), so its buckets were all-reduced
+        model[0].weight.register_post_accumulate_grad_hook(lambda _: synced.append(ddp.require_sync))
         with comm.trace() as log:
-            accumulation_step(ddp, optimizer, mine, torch.nn.functional.mse_loss)
+            try:
+                accumulation_step(ddp, optimizer, mine, torch.nn.functional.mse_loss)
+            except RuntimeError:
+                if not synced or any(synced):
+                    raise
+                # Every backward ran inside no_sync(): finish_gradient_sync() then finds no bucket all-reduced
+                # and blames unused parameters. The real cause is said below, in the notebook.
         calls = log.summary().get("all_reduce")
         params = parameters_to_vector(model.parameters()).detach()
-        return params, calls.count if calls else 0, len(ddp.buckets), rows
+        return params, calls.count if calls else 0, len(ddp.buckets), rows, synced
 
-    results = _run_on_ranks(trial, world_size, timeout=60)
+    results = _run_on_ranks(trial, world_size, timeout=2 * TIMEOUT_SECONDS)   # a model to build: more slack
     if results is None:
         return False
 
@@ -181,14 +226,18 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         torch.optim.SGD(model.parameters(), lr=0.5).step()
         return parameters_to_vector(model.parameters()).detach()
 
-    params, count, buckets, _ = results[0]
+    params, count, buckets, _, synced = results[0]
+    if not synced:
+        print("✗ no backward ran: call .backward() on each micro-batch's loss")
+        return False
+    if not any(synced):
+        print("✗ no gradient was ever all-reduced: every micro-batch, the last one included, ran inside no_sync(). "
+              "The last one must run outside it, so that its backward all-reduces the gradients accumulated over "
+              "all micro-batches; then ddp.finish_gradient_sync() waits for them")
+        return False
     if count == num_microbatches * buckets:
         print(f"✗ {count} all-reduces: you synced after every one of the {num_microbatches} micro-batches. Run the "
               "inner ones inside `with ddp.no_sync():` so only the last backward sends the summed gradients.")
-        return False
-    if count == 0:
-        print("✗ no all-reduce at all: the last micro-batch must run outside no_sync(), and "
-              "ddp.finish_gradient_sync() must come before optimizer.step()")
         return False
     if any(not torch.equal(other[0], params) for other in results[1:]):
         print("✗ the ranks ended with different weights: call ddp.finish_gradient_sync() before optimizer.step()")
@@ -207,6 +256,7 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
     return True
 
 
+@_exercise
 def check_one_f_one_b(actions) -> bool:
     """05: ``actions(stage, num_stages, num_microbatches)`` must return that stage's 1F1B order, a list of
     ("F", k) and ("B", k). Checked by simulation for several (p, m): valid and deadlock-free, as fast as the
@@ -241,7 +291,7 @@ def check_one_f_one_b(actions) -> bool:
     # float64: micro-batches round differently from one batch only at ~1e-16, on any CPU; a lost micro-batch
     # or a missing 1/m moves gradients by > 1e-4
     results = _run_on_ranks(pipeline_worker, 3, "schedule", num_microbatches=6, schedule=actions, batch_size=12,
-                            weights=weights, return_grads=True, timeout=60, dtype=torch.float64)
+                            weights=weights, return_grads=True, timeout=2 * TIMEOUT_SECONDS, dtype=torch.float64)
     if results is None:
         return False
     loss, grads = single_process_step(batch_size=12, dtype=torch.float64)
@@ -256,6 +306,7 @@ def check_one_f_one_b(actions) -> bool:
     return True
 
 
+@_exercise
 def check_reduce_grad_shard(reduce_grad_shard) -> bool:
     """03: ``reduce_grad_shard(flat_grad, comm)`` must return this rank's shard of the *average* over ranks of
     every rank's ``flat_grad``: with n elements on N ranks, S = ceil(n/N), elements [r·S, (r+1)·S) of the mean,
@@ -270,16 +321,11 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
         return shard, {op: totals.count for op, totals in log.summary().items()}
 
     for world_size, n in [(2, 10), (3, 10)]:
-        try:
-            results = launch(trial, world_size, n=n, timeout=30)
-        except RankError as err:
-            if _unfinished(err):
-                print(NOT_DONE)
-            elif "(the group size) parts" in err.summary:
-                print(f"✗ on {world_size} ranks, {n} elements: reduce_scatter needs an input of exactly N × the "
-                      "shard's size. Pad flat_grad with zeros to N·S elements, S = ceil(n/N)")
-            else:
-                print(f"Your function failed on {err}")
+        unpadded = (f"✗ on {world_size} ranks, {n} elements: reduce_scatter needs an input of exactly N × the "
+                    "shard's size. Pad flat_grad with zeros to N·S elements, S = ceil(n/N)")
+        results = _run_on_ranks(trial, world_size, n=n,
+                                explain=lambda summary: unpadded if "(the group size) parts" in summary else None)
+        if results is None:
             return False
         shard_size = -(-n // world_size)
         mean = torch.arange(n, dtype=torch.float64) * (world_size + 1) / 2       # the mean of (r + 1) over ranks
@@ -309,44 +355,13 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
     return True
 
 
-def check_3d_layout(layout) -> bool:
-    """06: ``layout()`` must return {"dp", "tp", "pp", "zero_stage", "num_microbatches"} for Llama-2-70B on 32
-    GPUs of 80 GiB (4 nodes of 8) with a global batch of 64 sequences. Checked with the course's own rules:
-    dp·tp·pp = 32; TP divides the heads and stays inside a node; no more stages than layers; the batch splits
-    into dp shares of num_microbatches equal micro-batches; no bad smell (plan.bad_smells: TP across nodes,
-    ZeRO-2/3 with a pipeline); the training state fits (plan.need_per_gpu); the bubble stays under 20%."""
+# Notebook 06's, 07's, 08's and 09's checkers live in their own modules, to keep this one short; wrapped here like every other.
+from . import exercises_context as _context  # noqa: E402
+from . import exercises_experts as _experts  # noqa: E402
+from . import exercises_layout as _layout  # noqa: E402
+from . import exercises_scale as _scale  # noqa: E402
 
-    config, num_gpus, gpus_per_node, card, batch = preset("llama2-70b"), 32, 8, 80 * GiB, 64
-    try:
-        answer = layout()
-    except NotImplementedError:
-        print(NOT_DONE)
-        return False
-    try:
-        mesh = Mesh(dp=answer["dp"], tp=answer["tp"], pp=answer["pp"])
-        stage, m = answer["zero_stage"], answer["num_microbatches"]
-        mesh.check(num_gpus)
-        mesh.check_model(config, batch_size=batch, num_microbatches=m)
-    except (KeyError, TypeError, ValueError) as err:
-        print(f"✗ {type(err).__name__}: {err}")
-        return False
-    if stage not in ZERO_STAGES:
-        print(f"✗ zero_stage={stage!r}: one of 0 (DDP), 1, 2, 3")
-        return False
-    smells = [s for s in bad_smells(mesh, gpus_per_node=gpus_per_node, zero_stage=stage) if "ZeRO-3 on a" not in s]
-    if smells:
-        print(f"✗ {smells[0]}")
-        return False
-    state = need_per_gpu(config, mesh, stage)
-    if state > card:
-        print(f"✗ {state / GiB:.1f} GiB of training state on the fullest GPU > {card / GiB:.0f} GiB: shard more "
-              "(a higher ZeRO stage over dp, or more TP/PP)")
-        return False
-    bubble = bubble_fraction(mesh.pp, m)
-    if bubble > 0.2:
-        print(f"✗ the bubble is (p-1)/(m+p-1) = {mesh.pp - 1}/{m + mesh.pp - 1} = {bubble:.0%}: "
-              "more micro-batches")
-        return False
-    print(f"✓ dp {mesh.dp} × tp {mesh.tp} × pp {mesh.pp}, ZeRO-{stage}, m = {m}: {state / GiB:.1f} GiB of state "
-          f"per GPU (of {card / GiB:.0f}), bubble {bubble:.1%}, TP inside the node")
-    return True
+check_3d_layout = _exercise(_layout.check_3d_layout)
+check_lse_merge = _exercise(_context.check_lse_merge)
+check_expert_exchange = _exercise(_experts.check_expert_exchange)
+check_layout_at_scale = _exercise(_scale.check_layout_at_scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 RENDERER = "plotly_mimetype"
-PIPELINE_COLORS = {"F": "#1f77b4", "B": "#2ca02c"}   # matplotlib's tab:blue and tab:green, as in plots
+PIPELINE_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#ff7f0e"}   # matplotlib's tab:blue, green, orange
 
 
 def show(fig: go.Figure) -> None:
@@ -19,23 +19,35 @@ def show(fig: go.Figure) -> None:
 
 def pipeline_gantt(timeline, *, title: str | None = None) -> go.Figure:
     """The Gantt chart of a pipeline_parallel.Timeline, to explore: one row per stage (stage 0 on top), a bar
-    per forward (blue) and backward (green) labelled with its micro-batch, each stage's idle fraction at the
-    end of its row. Hover a bar for its stage, micro-batch, start, end and duration; drag to zoom into the
-    fill, the steady state or the drain."""
+    per forward (blue), backward (green) and weight-gradient op W (orange, where backward is split: zero
+    bubble) labelled with its micro-batch; with several chunks per rank (interleaved) one trace per chunk,
+    later chunks lighter, labelled micro-batch with the chunk as subscript. Each stage's idle fraction at the
+    end of its row. Hover a bar for its stage, micro-batch, chunk, start, end and duration; drag to zoom into
+    the fill, the steady state or the drain."""
+    split = any(e.kind == "W" for e in timeline.events)           # then B is the input gradient only
+    names = {"F": "forward", "B": "input grad (B)" if split else "backward", "W": "weight grads (W)"}
     t0 = min(e.start for e in timeline.events)
     span = timeline.makespan * 1e3
     stages = [f"stage {s}" for s in range(timeline.num_stages)]
+    num_chunks = 1 + max(e.chunk for e in timeline.events)
     fig = go.Figure()
-    for kind, name in (("F", "forward"), ("B", "backward")):
-        events = [e for e in timeline.events if e.kind == kind]
-        fig.add_bar(
-            name=name, orientation="h", marker_color=PIPELINE_COLORS[kind], marker_line_color="white",
-            y=[stages[e.rank] for e in events], base=[(e.start - t0) * 1e3 for e in events],
-            x=[(e.end - e.start) * 1e3 for e in events], text=[str(e.microbatch) for e in events],
-            textposition="inside", insidetextanchor="middle",
-            customdata=[[e.rank, e.microbatch, (e.start - t0) * 1e3, (e.end - t0) * 1e3] for e in events],
-            hovertemplate=(f"{name} of micro-batch %{{customdata[1]}} on stage %{{customdata[0]}}<br>"
-                           "%{customdata[2]:.1f} → %{customdata[3]:.1f} ms (%{x:.1f} ms)<extra></extra>"))
+    for kind, name in names.items():
+        for chunk in range(num_chunks):
+            events = [e for e in timeline.events if e.kind == kind and e.chunk == chunk]
+            if not events:
+                continue
+            where = "" if num_chunks == 1 else f", chunk {chunk} (virtual stage %{{customdata[4]}})"
+            fig.add_bar(
+                name=name if num_chunks == 1 else f"{name}, chunk {chunk}", orientation="h",
+                marker_color=PIPELINE_COLORS[kind], marker_opacity=1 - 0.45 * chunk / max(num_chunks - 1, 1),
+                marker_line_color="white", y=[stages[e.rank] for e in events],
+                base=[(e.start - t0) * 1e3 for e in events], x=[(e.end - e.start) * 1e3 for e in events],
+                text=[str(e.microbatch) if num_chunks == 1 else f"{e.microbatch}<sub>{chunk}</sub>" for e in events],
+                textposition="inside", insidetextanchor="middle",
+                customdata=[[e.rank, e.microbatch, (e.start - t0) * 1e3, (e.end - t0) * 1e3,
+                             chunk * timeline.num_stages + e.rank] for e in events],
+                hovertemplate=(f"{name} of micro-batch %{{customdata[1]}} on stage %{{customdata[0]}}{where}<br>"
+                               "%{customdata[2]:.1f} → %{customdata[3]:.1f} ms (%{x:.1f} ms)<extra></extra>"))
     for stage, label in enumerate(stages):
         fig.add_annotation(x=span, y=label, text=f"idle {timeline.idle_fraction(stage):.0%}", showarrow=False,
                            xanchor="left", xshift=6, font_size=11)
@@ -45,4 +57,65 @@ def pipeline_gantt(timeline, *, title: str | None = None) -> go.Figure:
                       margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"),
                       title=title or f"p = {timeline.num_stages} stages, m = {timeline.num_microbatches} "
                                      f"micro-batches: bubble {timeline.bubble:.1%}")
+    return fig
+
+
+MEMORY_COLORS = {"weights": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c", "state": "#17becf",
+                 "activations": "#d62728",
+                 "reserve": "#7f7f7f"}   # matplotlib's tab colours, as in plots.memory_bars
+
+
+def memory_stacks(rows: dict[str, dict[str, int]], *, capacity_bytes: int | None = None,
+                  capacity_label: str = "GPU memory", title: str = "training memory per GPU") -> go.Figure:
+    """One horizontal stacked bar per row (label → {part: bytes}), in GiB, first row on top, with a dashed line
+    at ``capacity_bytes``. Hover a segment for its part's exact bytes and its share of the row; a ``total`` key
+    in a row is ignored (the bar's end is the total)."""
+    labels = list(rows)
+    parts = [part for part in MEMORY_COLORS if any(part in row for row in rows.values())]
+    parts += [part for row in rows.values() for part in row if part not in parts and part != "total"]
+    fig = go.Figure()
+    for part in parts:
+        values = [rows[label].get(part, 0) for label in labels]
+        totals = [sum(v for k, v in rows[label].items() if k != "total") or 1 for label in labels]
+        fig.add_bar(name=part, orientation="h", y=labels, x=[v / 2**30 for v in values],
+                    marker_color=MEMORY_COLORS.get(part), customdata=[[v, v / t] for v, t in zip(values, totals)],
+                    hovertemplate=f"{part}: %{{x:.2f}} GiB (%{{customdata[0]:,}} bytes, %{{customdata[1]:.0%}} of "
+                                  "the row)<extra>%{y}</extra>")
+    if capacity_bytes is not None:
+        fig.add_vline(x=capacity_bytes / 2**30, line_dash="dash", line_color="black",
+                      annotation_text=f"{capacity_label}: {capacity_bytes / 2**30:.0f} GiB",
+                      annotation_position="top left")
+    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1])
+    fig.update_xaxes(title_text="GiB (2**30 bytes)")
+    fig.update_layout(barmode="stack", template="plotly_white", height=140 + 40 * len(labels), title=title,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"))
+    return fig
+
+
+STEP_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "pp": "#9467bd", "dp": "#2ca02c",
+               "bubble": "#7f7f7f"}   # matplotlib's tab colours; the bubble grey, like the reserve: time nobody uses
+
+
+def step_time_breakdown(rows: dict[str, dict[str, float]], *, title: str = "where one training step's time goes"
+                        ) -> go.Figure:
+    """One horizontal stacked bar per row (label → {term: seconds}, e.g. cost.StepTime.breakdown()), first row on
+    top: compute, tp, pp, dp, bubble, then any other term. Hover a segment for its seconds and its share of the
+    step; each bar's total is written at its end."""
+    labels = list(rows)
+    terms = [term for term in STEP_COLORS if any(term in row for row in rows.values())]
+    terms += [term for row in rows.values() for term in row if term not in terms]
+    totals = [sum(rows[label].values()) for label in labels]
+    fig = go.Figure()
+    for term in terms:
+        seconds = [rows[label].get(term, 0.0) for label in labels]
+        fig.add_bar(name=term, orientation="h", y=labels, x=seconds, marker_color=STEP_COLORS.get(term),
+                    customdata=[[s / t if t else 0.0] for s, t in zip(seconds, totals)],
+                    hovertemplate=f"{term}: %{{x:.3g}} s (%{{customdata[0]:.1%}} of the step)<extra>%{{y}}</extra>")
+    for label, total in zip(labels, totals):
+        fig.add_annotation(x=total, y=label, text=f"{total:.3g} s", showarrow=False, xanchor="left", xshift=4,
+                           font_size=11)
+    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1])
+    fig.update_xaxes(title_text="seconds per step", range=[0, max(totals, default=1) * 1.15])
+    fig.update_layout(barmode="stack", template="plotly_white", height=140 + 40 * len(labels), title=title,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"))
     return fig

@@ -22,7 +22,12 @@ This is the one place in the course where a process group is made. How it works:
   then fail too, so the *earliest* error is the cause and is raised here as :class:`RankError`. On a
   timeout every unfinished rank first prints its stack (``faulthandler``), so the error shows where it
   hung. Afterwards every worker is killed (each is the leader of its own process group, so anything it
-  started dies with it); if this process dies, ``PR_SET_PDEATHSIG`` takes the workers with it.
+  started dies with it); if this process dies, ``PR_SET_PDEATHSIG`` takes the workers with it. The stop
+  button stops every rank and says so in one line (:class:`~course_lib.tracebacks.Interrupted`).
+* **Forming the group.** ``fn`` is sent only once every rank has said that it joined the process group; a
+  group that does not form within a minute is reported as exactly that, naming the ranks that never came,
+  and a wait of more than a few seconds shows a line that counts them. A world far beyond the machine (more
+  than 8 ranks per CPU core, say) is refused before any process starts.
 * **torchrun.** When ``RANK`` and ``WORLD_SIZE`` are set (torchrun, or a nested call inside a rank),
   :func:`launch` runs ``fn`` right here on the existing group instead, so one script serves the
   notebook, the command line and a GPU cluster.
@@ -42,9 +47,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .workers import DEFAULT_TIMEOUT, RankError, RankTimeout, WorkerGroup, choose_backend, destroy_group
+from .rank_process import destroy_group
+from .workers import (
+    DEFAULT_TIMEOUT,
+    GroupNotFormed,
+    Interrupted,
+    RankError,
+    RankTimeout,
+    WorkerGroup,
+    choose_backend,
+)
 
-__all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup", "DEFAULT_TIMEOUT"]
+__all__ = ["launch", "device", "RankError", "RankTimeout", "GroupNotFormed", "WorkerGroup", "DEFAULT_TIMEOUT"]
 
 
 def launch(fn: Callable, world_size: int, *, backend: str | None = None,
@@ -53,12 +67,19 @@ def launch(fn: Callable, world_size: int, *, backend: str | None = None,
 
     ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); by default NCCL when there are
     enough GPUs, else gloo. ``timeout``: seconds before unfinished ranks are stopped with
-    :class:`RankTimeout`. Raises :class:`RankError` naming the first rank that failed.
+    :class:`RankTimeout`. Raises :class:`RankError` naming the first rank that failed, ValueError for a
+    world far beyond this machine (``workers.max_local_ranks``: at most 8 ranks per CPU core, 250 MiB of
+    memory per rank, 128 ranks), :class:`GroupNotFormed` if the ranks do not all join the group in time.
     """
     if _under_torchrun():
         return _run_in_place(fn, world_size, backend, timeout, kwargs)
-    with WorkerGroup(world_size, backend=backend, exit_after_error=True) as group:
-        return group.run(fn, kwargs, timeout=timeout)
+    try:
+        with WorkerGroup(world_size, backend=backend, exit_after_error=True) as group:
+            return group.run(fn, kwargs, timeout=timeout)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:  # the stop button; leaving the `with` has killed every rank already
+        raise Interrupted(f"launch() was interrupted: its {world_size} ranks were stopped") from None
 
 
 def device() -> torch.device:

@@ -85,6 +85,8 @@ from typing import NamedTuple
 
 import torch
 
+from .model import count_params
+
 # ---------------------------------------------------------------------------------------------------
 # 1. Training state
 # ---------------------------------------------------------------------------------------------------
@@ -250,6 +252,52 @@ GPT_ACTIVATION_TERMS = {
 }
 
 
+def _check_activation_shape(config, batch_size, seq_len, dtype) -> tuple[int, int, int]:
+    """(b, s, e): batch, sequence, bytes per activation value, checked against ``config``."""
+    if dtype not in PREDICTED_DTYPES:
+        raise ValueError(f"dtype={dtype}: the prediction covers {', '.join(map(str, PREDICTED_DTYPES))}")
+    b = _count("batch_size", batch_size)
+    s = _count("seq_len", seq_len, minimum=1)
+    if s > config.max_seq_len:
+        raise ValueError(f"seq_len={s} > max_seq_len={config.max_seq_len} of this config")
+    return b, s, torch.tensor([], dtype=dtype).element_size()
+
+
+def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, tp: int = 1,
+                               sequence_parallel: bool = False) -> dict[str, int]:
+    """One layer's terms of gpt_activation_bytes on one of ``tp`` tensor-parallel ranks (course_lib.
+    tensor_parallel). What works on this rank's heads or MLP slice divides by tp: SDPA's q, k, v, output and
+    log-sum-exp, the MLP's gate, up, silu(gate) and product. What TP keeps whole stays whole: the two norms and
+    the normed x that the column projections read (the residual stream is replicated), and the rotary tables
+    (one row per position, whatever the heads).
+
+    ``sequence_parallel`` (apply_tp(..., sequence_parallel=True)): the two norms work on s/tp tokens, / tp. The
+    normed x that the column projections save stays whole: it is the all-gather's output, b·s·d on every rank
+    (Megatron-LM saves the slice and all-gathers it again in backward; Korthikanti's 34/t assumes that). So
+    per layer the course saves 2·bsd·e more than "everything / tp" would. Exact for torch 2.13 on CPU (the
+    virtual cluster and tests/test_tensor_parallel.py measure it)."""
+    b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
+    _count("tp", tp, minimum=1)
+    if config.num_heads % tp or config.intermediate % tp:
+        raise ValueError(f"num_heads={config.num_heads} and intermediate={config.intermediate} must both divide "
+                         f"by tp={tp}: each rank keeps whole heads and an equal slice of the MLP")
+    if sequence_parallel and s % tp:
+        raise ValueError(f"seq_len={s} is not divisible by tp={tp}: sequence parallelism gives each rank s/tp tokens")
+    d, inter, heads = config.hidden, config.intermediate, config.num_heads
+    f32 = 4
+    sequence_split = tp if sequence_parallel else 1      # the norms: whole under plain TP, s/tp tokens under SP
+    rms_norm = (2 * b * s * d * f32 + b * s * f32) // sequence_split   # fp32 input and x·rstd, and rstd
+    return {
+        "attn_norm": rms_norm,
+        "attn.q_proj": b * s * d * e,                    # the (gathered) whole normed x, even under SP
+        "attn": (4 * b * s * d * e + b * heads * s * f32) // tp + 4 * s * (config.head_dim // 2) * f32,
+        "mlp_norm": rms_norm,
+        "mlp.gate_proj": b * s * d * e,
+        "mlp": 3 * b * s * inter * e // tp,
+        "mlp.down_proj": b * s * inter * e // tp,
+    }
+
+
 def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32,
                          recompute: str = "none") -> dict[str, int]:
     """Bytes that one forward of the course's GPT (course_lib.model) plus its loss saves for backward.
@@ -259,38 +307,39 @@ def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.floa
     grow with the batch (rotary tables, one scalar). recompute="full" is the peak of checkpointing every
     layer: each layer's input kept, plus one layer's own terms while backward recomputes it.
     """
-    if dtype not in PREDICTED_DTYPES:
-        raise ValueError(f"dtype={dtype}: the prediction covers {', '.join(map(str, PREDICTED_DTYPES))}")
+    b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute={recompute!r}: the course model's prediction has 'none' and 'full' (SDPA "
                          "already recomputes the attention scores: that is 'selective' built in)")
-    b = _count("batch_size", batch_size)
-    s = _count("seq_len", seq_len, minimum=1)
-    if s > config.max_seq_len:
-        raise ValueError(f"seq_len={s} > max_seq_len={config.max_seq_len} of this config")
-    e = torch.tensor([], dtype=dtype).element_size()   # bytes per activation value
-    d, inter, heads, L = config.hidden, config.intermediate, config.num_heads, config.num_layers
+    d, L = config.hidden, config.num_layers
     f32, i64 = 4, 8
-    rms_norm = 2 * b * s * d * f32 + b * s * f32        # fp32 input and x·rstd, and rstd
-    layer = {
-        "attn_norm": rms_norm,
-        "attn.q_proj": b * s * d * e,
-        "attn": 4 * b * s * d * e + b * heads * s * f32 + 4 * s * (config.head_dim // 2) * f32,
-        "mlp_norm": rms_norm,
-        "mlp.gate_proj": b * s * d * e,
-        "mlp": 3 * b * s * inter * e,
-        "mlp.down_proj": b * s * inter * e,
-    }
+    layer = gpt_layer_activation_bytes(config, b, s, dtype)
     terms = {"embed": b * s * i64}
     if recompute == "none":
         terms.update({name: L * nbytes for name, nbytes in layer.items()})
     else:
         terms["layer inputs (checkpoints)"] = L * b * s * d * e
         terms["one layer, recomputed"] = sum(layer.values())
-    terms["norm"] = rms_norm
+    terms["norm"] = layer["attn_norm"]                   # an RMSNorm like the layers' own
     terms["head"] = b * s * d * e
     terms["loss"] = b * s * config.vocab_size * f32 + b * s * i64 + f32
     terms["total"] = sum(terms.values())
     return terms
 
 
+def active_params_per_token(config) -> int:
+    """Parameters one token's forward pass multiplies by: all of ``count_params(config)`` but the experts the
+    router does not send it to, (num_experts - top_k) expert MLPs of 3·d·intermediate per layer. A dense
+    model's are all of them. Embedding and head count, as in Mistral's published 12.9e9 for Mixtral 8x7B
+    (the embedding is a lookup: its rows cost no multiply).
+
+    Total parameters set memory: every expert's weights, gradients and optimizer state are held (section 1's
+    bytes per parameter × count_params), whichever tokens it serves. Active parameters set FLOPs: a token
+    passes through top_k experts only, so a training step costs ≈ 6 · active · tokens. Mixtral 8x7B:
+    46,702,792,704 total (747 GB of mixed-precision Adam state), 12,879,925,248 active (a 13B model's FLOPs).
+    """
+    total = count_params(config)
+    if not getattr(config, "num_experts", 0):
+        return total
+    unused_experts = config.num_experts - config.top_k
+    return total - config.num_layers * unused_experts * 3 * config.hidden * config.intermediate

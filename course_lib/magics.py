@@ -14,6 +14,10 @@
     %ranks status                   # alive? pids, backend, process-group generation
     %ranks stop
 
+Under ``make lab`` the magics are there from the kernel's start (and after a restart); ``%load_ext course_lib``
+is then harmless. ``%ranks start`` says "started" once every rank has joined the process group, and refuses a
+world far beyond the machine (see ``workers.max_local_ranks``).
+
 Output is grouped by rank and updated live while the cell runs. Figures and ``display(...)`` come from the
 lowest rank that ran the cell. An error shows that rank's traceback with the cell's lines; the world then
 stays usable and says whether it had to recover (new process group, variables kept) or restart.
@@ -24,14 +28,36 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+import traceback
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 
 from .launch import DEFAULT_TIMEOUT
+from .tracebacks import name_cells
 from .workers import TICK_SECONDS
 from .world import World
+
+
+def load_ipython_extension(ipython):
+    """Add ``%ranks`` and ``%%ranks`` to ``ipython``, once. Kernels that ``make lab`` starts load this module
+    as an extension (``--ext=course_lib.magics``, in ``.jupyter/kernels/python3/kernel.json``), so the magics
+    survive a kernel restart; a notebook's ``%load_ext course_lib`` then keeps them, and any running world."""
+    if "RanksMagics" not in ipython.magics_manager.registry:
+        ipython.register_magics(RanksMagics)
+
+
+class CellSyntaxError(Exception):
+    """A syntax error in a ``%%ranks`` cell, shown as IPython shows one in any cell: the cell, the line and a
+    caret, without the frames of the magic that compiled it. No rank ran anything."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(str(error))
+        self.error = error
+
+    def _render_traceback_(self):
+        return name_cells("".join(traceback.format_exception_only(self.error))).splitlines()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,6 +192,8 @@ class RanksMagics(Magics):
         try:
             outcome = world.exec(code, ranks=ranks, timeout=options.timeout, filename=filename,
                                  on_output=output.add, on_tick=output.tick)
+        except SyntaxError as err:
+            raise CellSyntaxError(err) from None
         except ValueError as err:
             raise UsageError(f"%%ranks: {err}")
         for result in outcome.results:

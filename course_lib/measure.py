@@ -1,7 +1,8 @@
 """Measure what training holds: every byte of state from tensor storage, every saved activation from autograd.
 
 `measure_state_bytes` counts real tensor storage: parameters, their .grad, and every tensor in the
-optimizer's state; a storage shared by two tensors (a tied weight, a view) is counted once. torch's Adam
+optimizer's state; a storage shared by two tensors (a tied weight, a view) is counted once. Meta tensors
+(course_lib.virtual: a model of any size, no memory) count the bytes their storage would hold. torch's Adam
 keeps a float32 `step` tensor per parameter tensor: those bytes grow with the number of tensors, not of
 parameters, so they are reported apart as `step_counters`.
 
@@ -20,8 +21,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(tensor: torch.Tensor):
+    """(what names the tensor's storage, the storage's bytes). Views of one storage get one name. A meta
+    tensor has a shape and dtype but no data: every meta storage's data pointer is 0, so the storage object
+    itself names it there (its address, ``_cdata``); its nbytes() still holds numel × element size."""
     storage = _local(tensor).untyped_storage()
-    return (str(storage.device), storage.data_ptr()), storage.nbytes()
+    name = storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+    return (str(storage.device), name), storage.nbytes()
 
 
 

@@ -32,9 +32,11 @@ import torch.distributed as dist
 
 from .comm import Comm, wire_bytes
 from .ddp import NaiveDDP
+from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes
 from .model import layer_projection_params
 from .pipeline_parallel import make_stage, partition_layers
 from .tensor_parallel import apply_tp, check_tp_divisible, tp_allreduce_bytes
+from .zero import ZeroDataParallel
 
 AXES = ("pp", "dp", "tp")   # slowest to fastest: the order of the coordinates, and of Mesh.grid()'s dims
 
@@ -124,14 +126,20 @@ def make_comms(mesh: Mesh, rank: int) -> dict[str, Comm]:
     return comms
 
 
-def parallelize_3d(model: torch.nn.Module, mesh: Mesh, comms: dict[str, Comm], rank: int) -> NaiveDDP:
+def parallelize_3d(model: torch.nn.Module, mesh: Mesh, comms: dict[str, Comm], rank: int, *,
+                   zero_stage: int | None = None, **optimizer_kwargs) -> NaiveDDP | ZeroDataParallel:
     """``model`` (the whole course model, the same on every rank) cut down, in place, to this rank's piece:
     its heads and MLP slice (TP), its layers (PP), wrapped so that ``finish_gradient_sync()`` averages its
-    gradients over the DP group. Returns the wrapper; its ``.module`` is the stage for ``pipeline_step``."""
+    gradients over the DP group. Returns the wrapper; its ``.module`` is the stage for ``pipeline_step``.
+    ``zero_stage`` (0-3): wrap in ZeroDataParallel instead, which also shards the optimizer's state (its
+    ``.optimizer``, made with ``optimizer_kwargs``): run pipeline_step inside its ``no_sync()``, then
+    ``finish_gradient_sync()`` and ``step()``."""
     mesh.check_model(model.config)
     if mesh.tp > 1:
         apply_tp(model, comms["tp"])
     stage = make_stage(model, mesh.coords(rank)["pp"], partition_layers(model.config.num_layers, mesh.pp))
+    if zero_stage is not None:
+        return ZeroDataParallel(stage, comms["dp"], stage=zero_stage, **optimizer_kwargs)
     return NaiveDDP(stage, comms["dp"])
 
 
@@ -159,7 +167,7 @@ def params_per_rank(config, mesh: Mesh, stage: int) -> int:
 
 
 def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_len: int, num_microbatches: int,
-                        bytes_per_element: int = 4) -> dict[str, float]:
+                        bytes_per_element: int = 4, sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes one rank of ``stage`` sends in one training step, per axis (ring algorithms, as comm.wire_bytes):
 
     * tp: 4 all-reduces per layer and micro-batch (2 forward, 2 backward), each of one activation
@@ -167,11 +175,50 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     * pp: one activation a per micro-batch to the next stage (not from the last), one gradient of it to the
       previous stage (not from the first);
     * dp: one all-reduce of this rank's gradients, 2(dp-1)/dp · params_per_rank · bytes.
+
+    ``sequence_parallel`` (Megatron's; the course runs none yet): each all-reduce becomes a reduce-scatter and
+    an all-gather, (tp-1)/tp · a each, the same bytes; the stages pass 1/tp of the sequence, a/tp.
     """
     activation = tp_allreduce_bytes(batch_size // mesh.dp // num_microbatches, seq_len, config.hidden,
                                     bytes_per_element)
     layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
     tp = 4 * layers * num_microbatches * wire_bytes("all_reduce", activation, mesh.tp)
-    pp = num_microbatches * activation * ((stage < mesh.pp - 1) + (stage > 0))
+    boundary = activation // mesh.tp if sequence_parallel else activation
+    pp = num_microbatches * boundary * ((stage < mesh.pp - 1) + (stage > 0))
     dp = wire_bytes("all_reduce", params_per_rank(config, mesh, stage) * bytes_per_element, mesh.dp)
     return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def microbatches_in_flight(mesh: Mesh, stage: int, num_microbatches: int, schedule: str = "1f1b") -> int:
+    """How many micro-batches' activations ``stage`` holds at once: GPipe all m; 1F1B min(p - s, m)."""
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule={schedule!r}: one of 1f1b, gpipe")
+    return num_microbatches if schedule == "gpipe" else min(mesh.pp - stage, num_microbatches)
+
+
+def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
+                              num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
+                              recompute: str = "selective", sequence_parallel: bool = False) -> dict[str, int]:
+    """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
+
+    One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks), plus the token
+    ids on the first stage and the final norm, head and loss on the last (ledger.gpt_activation_bytes). The
+    peak holds ``in_flight`` of them (microbatches_in_flight). recompute "none" and "selective" are the same
+    for the course model (SDPA never stores the s×s scores); "full" keeps each layer's input (b·s·d·e, /tp
+    with sequence parallelism) per micro-batch in flight, plus one layer's own terms while backward recomputes
+    it. Exact for the course's code in torch 2.13 (the virtual cluster measures it).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
+    b, s, num_layers = micro_batch_size, seq_len, len(partition_layers(config.num_layers, mesh.pp)[stage])
+    layer = sum(gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel).values())
+    whole = gpt_activation_bytes(config, b, s, dtype)
+    edges = (whole["embed"] if stage == 0 else 0) + (
+        whole["norm"] + whole["head"] + whole["loss"] if stage == mesh.pp - 1 else 0)
+    in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
+    if recompute == "full":
+        layer_input = b * s * config.hidden * torch.tensor([], dtype=dtype).element_size()
+        per_microbatch = num_layers * layer_input // (mesh.tp if sequence_parallel else 1) + edges
+        return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + layer}
+    per_microbatch = num_layers * layer + edges
+    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch}

@@ -20,6 +20,8 @@ Parameter count (P = `param_count_formula`, d = hidden, h = head_dim, L = num_la
                          + 3·d·intermediate                     (gate, up, down)
                          + 2·d]                                 (two norms)
         + d (final norm) + V·d (head, 0 when tied to embed)
+    A mixture of experts (num_experts = E > 0, course_lib.experts) has E MLPs and a router per layer:
+    3·d·intermediate becomes E·3·d·intermediate + d·E.
 """
 
 import dataclasses
@@ -44,6 +46,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False      # head.weight is embed.weight
     attn_bias: bool = False           # q/k/v biases, only so Qwen2 can be counted exactly
+    num_experts: int = 0              # > 0: each block's MLP is a mixture of this many experts (0: one dense MLP)
+    top_k: int = 2                    # experts each token is sent to (only with num_experts > 0)
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -62,6 +66,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim = hidden/num_heads = {self.hidden}/{self.num_heads} = {self.head_dim} "
                              "is odd: rotary embeddings rotate channels in pairs")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
+            raise ValueError(f"num_experts={self.num_experts} must be >= 0 (0: a dense MLP) and top_k={self.top_k} "
+                             "between 1 and num_experts")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must both be > 0")
 
@@ -139,7 +146,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.mlp = MLP(config)
+        if config.num_experts:
+            # Imported here, not at the top: course_lib.experts builds its experts from MLP above.
+            from .experts import MoE
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -218,6 +230,8 @@ PRESETS = {
     "qwen2-7b": ModelConfig(vocab_size=152064, hidden=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                             intermediate=18944, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6,
                             attn_bias=True),
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                intermediate=14336, max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2),
 }
 
 
@@ -251,7 +265,10 @@ def layer_projection_params(config: ModelConfig) -> int:
     attention = d * q_width + 2 * d * kv_width + q_width * d          # q, k, v, o weights
     if config.attn_bias:
         attention += q_width + 2 * kv_width                           # q, k, v biases
-    return attention + 3 * d * config.intermediate                    # + gate, up, down
+    mlp = 3 * d * config.intermediate                                 # gate, up, down
+    if config.num_experts:
+        mlp = config.num_experts * mlp + d * config.num_experts       # every expert's, and the router
+    return attention + mlp
 
 
 def param_count_formula(config: ModelConfig) -> int:

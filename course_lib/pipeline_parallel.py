@@ -41,6 +41,12 @@ Hand-offs. A message takes a latency h to arrive. GPipe pays it once per boundar
 the way back (a stage's ops then run back to back); in 1F1B's steady state every op waits for a neighbour, so
 h is paid at every op. `simulate(..., latency_s=h)` predicts both.
 
+More schedules (course_lib/schedules.py). Interleaved 1F1B gives each rank v chunks (virtual stages s, s + p,
+…; `make_stage(..., num_chunks=v)`) and divides the fill and drain by v: bubble (p - 1)/(v·m + p - 1), at v
+times the messages. ZB-H1 splits each backward into B (the input's gradient, sent upstream at once) and W (the
+weights', deferred to fill the drain): idle (p - 1)·(T_F + T_B - T_W) instead of (p - 1)·(T_F + T_B + T_W).
+`simulate` and `pipeline_step` run any of them: an action is ("F"|"B"|"W", micro-batch[, chunk]).
+
 Controlled cost. A `StepRecorder` given forward_s / backward_s pads every op with sleep to exactly that
 duration (the real compute runs inside it; `pipeline_worker(compute=False)` swaps in a stage that computes
 nothing, so the op only sleeps and zeros of the right shape travel), so bubbles are measured cleanly even on a
@@ -51,6 +57,8 @@ the same either way; the recorder only watches it (and counts the bytes each for
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -61,34 +69,56 @@ import torch.nn as nn
 from .comm import Comm
 from .measure import SavedActivations
 from .model import loss_fn as default_loss_fn
+from .schedules import SCHEDULES as SCHEDULES
+from .schedules import gpipe_actions as gpipe_actions
+from .schedules import needs_from, op_parts, schedule_actions, sends_to, splits_backward
+from .schedules import one_f_one_b_actions as one_f_one_b_actions
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """(p - 1) / (m + p - 1): the share of the makespan each rank waits, with equal op costs."""
-    if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(f"num_stages={num_stages} and num_microbatches={num_microbatches} must both be >= 1")
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """(p - 1) / (v·m + p - 1): the share of the makespan each rank waits, with equal op costs; v = num_chunks
+    per rank (interleaved 1F1B; 1 for GPipe and 1F1B). Megatron-LM's papers divide the same idle time by the
+    ideal time m·(t_f + t_b) instead: (p - 1)/(v·m); the two convert as b = b_ideal / (1 + b_ideal)."""
+    if num_stages < 1 or num_microbatches < 1 or num_chunks < 1:
+        raise ValueError(f"num_stages={num_stages}, num_microbatches={num_microbatches} and num_chunks={num_chunks} "
+                         "must all be >= 1")
+    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
 
 
-def pipeline_makespan(num_stages: int, num_microbatches: int, forward_s: float, backward_s: float) -> float:
-    """(m + p - 1)·(t_f + t_b): one step's duration with equal op costs and instant communication."""
-    return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
+def pipeline_makespan(num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
+                      num_chunks: int = 1) -> float:
+    """(m + (p - 1)/v)·(t_f + t_b): one step's duration with equal op costs and instant communication; t_f and
+    t_b are a rank's whole forward and backward of one micro-batch (each of its v chunks takes 1/v of them)."""
+    return (num_chunks * num_microbatches + num_stages - 1) * (forward_s + backward_s) / num_chunks
 
 
 # ---------------------------------------------------------------------------------------------- stages
 
-def partition_layers(num_layers: int, num_stages: int, layer_costs=None) -> list[range]:
+@functools.lru_cache(maxsize=None)
+def _partition_evenly(num_layers: int, num_stages: int) -> tuple[range, ...]:
+    return tuple(partition_layers(num_layers, num_stages, [1.0] * num_layers))
+
+
+def partition_layers(num_layers: int, num_stages: int, layer_costs=None, num_chunks: int = 1) -> list[range]:
     """Contiguous layer ranges, one per stage, that make the most expensive stage as cheap as possible.
 
     Without ``layer_costs`` every layer costs the same, so stages differ by at most one layer (earlier stages
     take the extra ones: the last also holds the head). Dynamic programming over (stages, layers): tiny.
+    ``num_chunks`` = v: cut into p·v virtual stages instead (interleaved schedules, `make_stage`).
     """
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
-    if num_stages > num_layers:
-        raise ValueError(f"num_stages={num_stages} > num_layers={num_layers}: every stage needs at least one "
-                         "layer (use fewer stages, or a model with more layers)")
-    costs = [1.0] * num_layers if layer_costs is None else [float(c) for c in layer_costs]
+    if num_stages < 1 or num_chunks < 1:
+        raise ValueError(f"num_stages={num_stages} and num_chunks={num_chunks} must be >= 1")
+    if num_stages * num_chunks > num_layers:
+        if num_chunks == 1:
+            raise ValueError(f"num_stages={num_stages} > num_layers={num_layers}: every stage needs at least one "
+                             "layer (use fewer stages, or a model with more layers)")
+        raise ValueError(f"num_stages={num_stages} × num_chunks={num_chunks} = {num_stages * num_chunks} virtual "
+                         f"stages > num_layers={num_layers}: every virtual stage needs at least one layer (use "
+                         "fewer stages or chunks, or a model with more layers)")
+    num_stages *= num_chunks
+    if layer_costs is None:   # the planner asks thousands of times: remember the answers
+        return list(_partition_evenly(num_layers, num_stages))
+    costs = [float(c) for c in layer_costs]
     if len(costs) != num_layers or any(c < 0 for c in costs):
         raise ValueError(f"layer_costs={layer_costs!r}: give one cost >= 0 for each of the {num_layers} layers")
     prefix = [0.0]
@@ -112,9 +142,22 @@ def partition_layers(num_layers: int, num_stages: int, layer_costs=None) -> list
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def make_stage(model: nn.Module, stage: int, parts: list[range]) -> nn.Module:
+def make_stage(model: nn.Module, stage: int, parts: list[range], num_chunks: int = 1) -> nn.Module:
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``len(parts)``: it keeps layers
-    ``parts[stage]``, the embedding if first, norm and head if last; the rest become nn.Identity()."""
+    ``parts[stage]``, the embedding if first, norm and head if last; the rest become nn.Identity().
+
+    ``num_chunks`` = v > 1, for interleaved schedules: ``parts`` cuts the layers into p·v virtual stages
+    (partition_layers(..., num_chunks=v)) and rank ``stage`` gets an nn.ModuleList of its v chunks, chunk c
+    being virtual stage c·p + stage, as in Megatron-LM; each chunk is a copy of ``model`` cut as above (the last
+    is ``model`` itself)."""
+    if num_chunks != 1:
+        if num_chunks < 1 or len(parts) % num_chunks:
+            raise ValueError(f"parts holds {len(parts)} virtual stages: not num_chunks={num_chunks} per stage")
+        num_stages = len(parts) // num_chunks
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage={stage} is outside 0..{num_stages - 1}")
+        copies = [copy.deepcopy(model) for _ in range(num_chunks - 1)] + [model]
+        return nn.ModuleList(make_stage(chunk, c * num_stages + stage, parts) for c, chunk in enumerate(copies))
     num_stages = len(parts)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage} is outside 0..{num_stages - 1}")
@@ -140,45 +183,9 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     return list(batch.chunk(num_microbatches))
 
 
-# ------------------------------------------------------------------------------------------- schedules
-
-def gpipe_actions(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """All forwards, then all backwards. With one micro-batch: the plain, un-pipelined step."""
-    return [("F", k) for k in range(num_microbatches)] + [("B", k) for k in range(num_microbatches)]
-
-
-def one_f_one_b_actions(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """p-s-1 warm-up forwards, then one forward and one backward in turn, then the remaining backwards."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    actions = [("F", k) for k in range(warmup)]
-    for k in range(warmup, num_microbatches):
-        actions += [("F", k), ("B", k - warmup)]
-    return actions + [("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
-
-
-SCHEDULES = {"gpipe": gpipe_actions, "1f1b": one_f_one_b_actions}
-
-
-def schedule_actions(schedule, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
-    """Every stage's list of ("F"|"B", micro-batch), checked. ``schedule``: a name of SCHEDULES or a function
-    (stage, num_stages, num_microbatches) -> actions."""
-    make = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
-    if make is None:
-        raise ValueError(f"schedule={schedule!r}: known schedules are {', '.join(SCHEDULES)}")
-    actions = [list(make(s, num_stages, num_microbatches)) for s in range(num_stages)]
-    expected = sorted((kind, k) for kind in "BF" for k in range(num_microbatches))
-    for s, acts in enumerate(actions):
-        if sorted(acts) != expected:
-            raise ValueError(f"stage {s}: {acts} must hold ('F', k) and ('B', k) exactly once for each "
-                             f"micro-batch k in 0..{num_microbatches - 1}")
-        if any(acts.index(("B", k)) < acts.index(("F", k)) for k in range(num_microbatches)):
-            raise ValueError(f"stage {s}: {acts} runs a backward before the forward of its micro-batch")
-    for s in range(num_stages - 1):   # send and receive are matched in order on each boundary
-        for kind in "FB":
-            if [k for c, k in actions[s] if c == kind] != [k for c, k in actions[s + 1] if c == kind]:
-                raise ValueError(f"stages {s} and {s + 1} order their {kind} micro-batches differently; they "
-                                 "cross the boundary in one order, so both sides must use it")
-    return actions
+def stage_chunks(stage_module: nn.Module) -> list[nn.Module]:
+    """A rank's chunks: the ModuleList that make_stage(..., num_chunks=v) returns, or [the one stage]."""
+    return list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
 
 
 # -------------------------------------------------------------------------------------------- timeline
@@ -186,11 +193,11 @@ def schedule_actions(schedule, num_stages: int, num_microbatches: int) -> list[l
 @dataclass(frozen=True)
 class Event:
     rank: int
-    kind: str          # "F" or "B"
+    kind: str          # "F", "B" or "W"
     microbatch: int
     start: float       # seconds since the step began
     end: float
-
+    chunk: int = 0     # which of the rank's chunks (interleaved schedules)
 
 @dataclass
 class Timeline:
@@ -234,29 +241,33 @@ class Timeline:
 
 
 def simulate(schedule, num_stages: int, num_microbatches: int, forward_s, backward_s,
-             latency_s: float = 0.0) -> Timeline:
+             latency_s: float = 0.0, *, num_chunks: int = 1, weight_fraction: float = 0.5) -> Timeline:
     """The timeline ``schedule`` would have if stage s's forwards took forward_s[s] and its backwards
     backward_s[s] (a number means every stage), and every message latency_s to arrive: each op starts as soon
-    as its rank is free and its input has arrived. Raises on a deadlock, naming what each stuck stage waits for."""
-    p, m = num_stages, num_microbatches
+    as its rank is free and its input has arrived. Raises on a deadlock, naming what each stuck stage waits for.
+    With v = ``num_chunks``, each chunk's op takes 1/v of its stage's time; a schedule that splits backward
+    gives W ``weight_fraction`` of it and B the rest (0.5 with backward_s = 2·forward_s: T_F = T_B = T_W)."""
+    p, m, v = num_stages, num_microbatches, num_chunks
     fs = [float(forward_s)] * p if isinstance(forward_s, (int, float)) else [float(f) for f in forward_s]
     bs = [float(backward_s)] * p if isinstance(backward_s, (int, float)) else [float(b) for b in backward_s]
-    actions = schedule_actions(schedule, p, m)
+    actions = schedule_actions(schedule, p, m, num_chunks=v)
+    split = splits_backward(actions)
+    share = {"F": 1.0, "B": 1 - weight_fraction if split else 1.0, "W": weight_fraction}
     done, free, nxt, events = {}, [0.0] * p, [0] * p, []
     held = {s: [(0.0, 0, 0)] for s in range(p)}
     while any(nxt[s] < len(actions[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while nxt[s] < len(actions[s]):
-                kind, k = actions[s][nxt[s]]
-                neighbour = s - 1 if kind == "F" else s + 1          # whose output this op needs
-                source = (kind, neighbour, k) if 0 <= neighbour < p else None
-                if source is not None and source not in done:
+                kind, k, c = op_parts(actions[s][nxt[s]])
+                source = needs_from(kind, c * p + s, p * v)      # the virtual stage whose output this op needs
+                if source is not None and (kind, source, k) not in done:
                     break
-                start = max(free[s], done[source] + latency_s if source else 0.0)
-                free[s] = done[(kind, s, k)] = start + (fs[s] if kind == "F" else bs[s])
-                events.append(Event(s, kind, k, start, free[s]))
-                held[s].append((free[s], held[s][-1][1] + (1 if kind == "F" else -1), 0))
+                start = max(free[s], done[kind, source, k] + latency_s if source is not None else 0.0)
+                free[s] = done[kind, c * p + s, k] = start + (fs[s] if kind == "F" else bs[s]) * share[kind] / v
+                events.append(Event(s, kind, k, start, free[s], c))
+                change = {"F": 1, "B": 0 if split else -1, "W": -1}[kind]   # held from F to its last backward op
+                held[s].append((free[s], held[s][-1][1] + change, 0))
                 nxt[s], progressed = nxt[s] + 1, True
         if not progressed:
             waits = [f"stage {s} waits at {actions[s][nxt[s]]}" for s in range(p) if nxt[s] < len(actions[s])]
@@ -269,24 +280,26 @@ def simulate(schedule, num_stages: int, num_microbatches: int, forward_s, backwa
 class StepRecorder:
     """Watches one rank's step from outside the schedule loop: times every op (an `Event` each), counts the
     bytes each forward saves for backward and so what the stage holds in flight, and, given ``forward_s`` /
-    ``backward_s``, pads every op with sleep to exactly that cost (controlled cost; ``overruns`` counts ops
-    whose real compute took longer). ``pipeline_step`` wraps each op in ``recorder.op(kind, k)``."""
+    ``backward_s`` (and ``weight_s`` for W ops), pads every op with sleep to exactly that cost (controlled cost;
+    ``overruns`` counts ops whose real compute took longer). ``pipeline_step`` wraps each op in
+    ``recorder.op(kind, k, chunk)``. A micro-batch is held from its forward until its backward, or its W when
+    the schedule splits backward (B keeps the graph for W)."""
 
     def __init__(self, stage_module: nn.Module, forward_s: float | None = None, backward_s: float | None = None,
-                 measure_memory: bool = False):
+                 measure_memory: bool = False, weight_s: float | None = None):
         self.stage_module, self.measure_memory = stage_module, measure_memory
-        self.cost = {"F": forward_s, "B": backward_s}
+        self.cost = {"F": forward_s, "B": backward_s, "W": weight_s}
         self.device = next(stage_module.parameters()).device
         self.events: list[Event] = []
         self.in_flight = [(0.0, 0, 0)]   # (time, micro-batches held, their saved bytes) after each op
-        self.saved: dict[int, int] = {}  # micro-batch → bytes its forward saved, until its backward
-        self.overruns, self.stage, self.t0 = 0, None, None
+        self.saved: dict[tuple[int, int], int] = {}  # (micro-batch, chunk) → bytes its forward saved, until freed
+        self.overruns, self.stage, self.t0, self.split_backward = 0, None, None, False
 
-    def start(self, stage: int) -> None:
-        self.stage, self.t0 = stage, time.perf_counter()
+    def start(self, stage: int, split_backward: bool = False) -> None:
+        self.stage, self.t0, self.split_backward = stage, time.perf_counter(), split_backward
 
     @contextlib.contextmanager
-    def op(self, kind: str, k: int):
+    def op(self, kind: str, k: int, chunk: int = 0):
         measured = kind == "F" and self.measure_memory
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # a received tensor has arrived: waiting for it is idle, not the op
@@ -302,10 +315,10 @@ class StepRecorder:
             self.overruns += left < 0
         end = time.perf_counter()
         if kind == "F":
-            self.saved[k] = saved.bytes if measured else 0
-        else:
-            self.saved.pop(k)
-        self.events.append(Event(self.stage, kind, k, start - self.t0, end - self.t0))
+            self.saved[k, chunk] = saved.bytes if measured else 0
+        elif kind == "W" or not self.split_backward:
+            self.saved.pop((k, chunk))
+        self.events.append(Event(self.stage, kind, k, start - self.t0, end - self.t0, chunk))
         self.in_flight.append((end - self.t0, len(self.saved), sum(self.saved.values())))
 
     def result(self) -> dict:
@@ -317,7 +330,8 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
                   recorder: StepRecorder | None = None) -> dict:
     """This rank's part of one step: its stage's forwards and backwards in ``schedule``'s order. Gradients
     accumulate in .grad (zero them first; no optimizer step). Stage = ``comm.rank``; every rank passes the
-    batch's inputs and targets (the first stage reads the inputs, the last the targets). Returns {"rank",
+    batch's inputs and targets (the first stage reads the inputs, the last the targets). ``stage_module``: this
+    rank's stage, or its v chunks (make_stage(..., num_chunks=v)) for an interleaved schedule. Returns {"rank",
     "num_microbatches", "loss" (the batch's mean loss, on the last stage; else None), and the recorder's
     "events", "in_flight", "overruns", "t0" (this rank's perf_counter at the step's start)}.
 
@@ -328,44 +342,62 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     each other at the same moment, and posted one by one each send would wait for a receive queued behind
     the other's send. The op then waits only for its own input (that wait is the rank's idle time); sends
     complete in the background and are waited for at the end of the step.
+
+    Split backward (schedules with W ops). B: torch.autograd.grad(out, x, grad, retain_graph=True), dL/dx, sent
+    upstream at once; W: torch.autograd.backward(out, grad, inputs=the chunk's parameters), later, on the graph
+    B kept. The simplest honest split, not the cheapest: W walks the graph again, recomputing the activation
+    gradients B computed (B + W ≈ 1.5 backwards of compute), and the whole graph stays alive until W. torch's
+    pipelining and the paper keep B's intermediate gradients instead, so that W does only the weight products.
+    The first virtual stage has no input gradient to send: its B does nothing, its W the whole backward.
     """
+    chunks = stage_chunks(stage_module)
     stage, num_stages, m = comm.rank, comm.size, num_microbatches
-    first, last = stage == 0, stage == num_stages - 1
+    num_virtual = num_stages * len(chunks)        # chunk c of this rank is virtual stage c·p + stage
     input_chunks, target_chunks = split_microbatches(inputs, m), split_microbatches(targets, m)
-    actions = schedule_actions(schedule, num_stages, m)[stage]
+    actions = schedule_actions(schedule, num_stages, m, num_chunks=len(chunks))
+    split = splits_backward(actions)
     param = next(stage_module.parameters())
-    boundary = dict(size=(*input_chunks[0].shape, stage_module.config.hidden), dtype=param.dtype,
+    boundary = dict(size=(*input_chunks[0].shape, chunks[0].config.hidden), dtype=param.dtype,
                     device=param.device)       # an activation [B/m, S, d], and its gradient: one shape
     recorder = recorder or StepRecorder(stage_module)
-    held = {}                                   # micro-batch → (its input, its output), forward to backward
+    held = {}              # (micro-batch, chunk) → (its input, its output, its output's gradient once B has it)
     outgoing, in_transit, loss = [], [], 0.0    # to post with the next receive; posted, not yet waited for
     comm.barrier()                  # every rank starts its clock together (to within a message's latency)
-    recorder.start(stage)
-    for kind, k in actions:
-        source = stage - 1 if kind == "F" else stage + 1     # the neighbour whose output this op needs
-        needs_input = 0 <= source < num_stages
-        incoming = torch.empty(**boundary) if needs_input else None
-        works = comm.exchange(sends=outgoing, recvs=[(incoming, source)] if needs_input else [])
+    recorder.start(stage, split_backward=split)
+    for kind, k, c in map(op_parts, actions[stage]):
+        virtual = c * num_stages + stage
+        source = needs_from(kind, virtual, num_virtual)     # the virtual stage whose output this op needs
+        incoming = torch.empty(**boundary) if source is not None else None
+        works = comm.exchange(sends=outgoing, recvs=[] if source is None else [(incoming, source % num_stages)])
         in_transit += zip(outgoing, works)
         outgoing = []
-        if needs_input:
+        if source is not None:
             works[-1].wait()                    # idle until the neighbour's tensor has arrived
-        with recorder.op(kind, k):
+        with recorder.op(kind, k, c):
             if kind == "F":
-                x = input_chunks[k].to(param.device) if first else incoming.requires_grad_()
-                out = stage_module(x)
-                if last:   # each micro-batch's mean loss / m: the gradients sum to the batch mean's
+                x = input_chunks[k].to(param.device) if virtual == 0 else incoming.requires_grad_()
+                out = chunks[c](x)
+                if virtual == num_virtual - 1:   # each micro-batch's mean loss / m: grads sum to the batch mean's
                     out = loss_fn(out, target_chunks[k].to(param.device)) / m
-                    loss += out.item()
-                held[k] = (x, out)
-            else:
-                x, out = held.pop(k)
-                torch.autograd.backward(out, None if last else incoming)   # dL/d(out) from stage s+1
-        if kind == "F" and not last:
-            outgoing = [(out.detach(), stage + 1)]
-        elif kind == "B" and not first:
-            outgoing = [(x.grad, stage - 1)]
+                    loss += math.nan if out.is_meta else out.item()   # a meta tensor has no value
+                held[k, c] = (x, out, None)
+            elif kind == "B" and not split:
+                x, out, _ = held.pop((k, c))
+                torch.autograd.backward(out, incoming)   # dL/d(out) from the next virtual stage (None: the loss)
+                input_grad = x.grad
+            elif kind == "B":
+                x, out, _ = held[k, c]
+                if virtual > 0:   # (autograd may return an expanded view; a send needs contiguous memory)
+                    input_grad = torch.autograd.grad(out, x, incoming, retain_graph=True)[0].contiguous()
+                held[k, c] = (x, out, incoming)
+            else:   # "W"
+                x, out, output_grad = held.pop((k, c))
+                torch.autograd.backward(out, output_grad, inputs=list(chunks[c].parameters()))
+        target = sends_to(kind, virtual, num_virtual)
+        if target is not None:
+            outgoing = [(out.detach() if kind == "F" else input_grad, target % num_stages)]
     in_transit += zip(outgoing, comm.exchange(sends=outgoing))
     for _, work in in_transit:                  # (the pairs keep each sent tensor alive until it has left)
         work.wait()
-    return {"rank": stage, "num_microbatches": m, "loss": loss if last else None, **recorder.result()}
+    return {"rank": stage, "num_microbatches": m, "loss": loss if stage == num_stages - 1 else None,
+            **recorder.result()}

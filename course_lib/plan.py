@@ -16,9 +16,21 @@
    stops at stage 1: stages 2 and 3 would reduce or gather for every micro-batch (DeepSpeed refuses them).
 
 The ZeRO stage is chosen again for the final layout (TP and PP already cut the model, so a lower rung may do).
-Only the training state and one gathered layer are counted, as the source counts: activations come on top
-(notebook 01: they grow with batch and sequence length; recomputation or TP shrinks them); pass
-``reserve_bytes`` to keep room for them.
+
+The three questions count the training state only, as the source does. A GPU also holds activations, and
+two more questions, asked of the workload (sequence length s, micro-batch b, global batch B, recomputation,
+sequence parallelism), decide:
+
+4. Does it fit with its activations? On the busiest GPU: state + peak saved activations (mesh.
+   activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s) + a reserve (RESERVE_SHARE
+   of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS workspaces, temporaries such as
+   a gathered layer's output). The global batch ties the axes: m = B / (dp · b) micro-batches per step, so more
+   dp means fewer micro-batches and a bigger bubble.
+5. Which recipe is fastest? Every layout of four recipes (data parallelism alone with DDP or ZeRO-1/2;
+   ZeRO-3 / FSDP alone; FSDP + TP; Megatron-style TP + PP + ZeRO-1) is costed with cost.step_time; the
+   fastest that fits wins, and the answer says by how much and why the others lost. (HSDP, FSDP sharded
+   inside a node and replicated across nodes, sits between the last two: the same cuts as FSDP with less
+   traffic across nodes and more memory per GPU.)
 """
 
 from __future__ import annotations
@@ -26,26 +38,46 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .cost import StepTime
+from .hardware import find_gpu
+from .layouts import (
+    RESERVE_SHARE,
+    Layout,
+    Workload,
+    compare_recipes,
+    gathered_layer_bytes,
+    memory_per_gpu,
+    need_per_gpu,
+    seconds_text,
+    size_text,
+    stage_name,
+    state_per_gpu,
+    tp_splits_heads,
+)
 from .ledger import CONVENTIONS, zero_state_bytes
-from .mesh import Mesh, layer_params, params_per_rank
+from .mesh import Mesh
 from .model import param_count_formula
 from .pipeline_parallel import bubble_fraction
-from .tensor_parallel import check_tp_divisible
-from .units import GiB, MiB
 
 
 @dataclass
 class Plan:
-    mesh: Mesh | None                      # None: these GPUs cannot hold the training state
+    mesh: Mesh | None                      # None: no layout of these GPUs fits
     zero_stage: int | None
-    state_bytes: int                       # what the fullest GPU needs for the plan (for ZeRO-3 over all, if none)
-    budget_bytes: int
-    answers: list[str] = field(default_factory=list)   # the three questions, answered with numbers
-    min_gpus: int | None = None            # when it does not fit: a lower bound on the GPUs it needs
+    state_bytes: int                       # the chosen layout's training state on its fullest GPU
+    budget_bytes: int                      # what questions 1-3 weigh the state against: the whole card
+    answers: list[str] = field(default_factory=list)   # the five questions, answered with numbers
+    min_gpus: int | None = None            # when even the state does not fit: a lower bound on the GPUs it needs
+    num_microbatches: int | None = None
+    memory: dict[str, int] = field(default_factory=dict)     # the chosen layout's busiest GPU
+    time: StepTime | None = None
+    candidates: list[Layout] = field(default_factory=list)   # the best layout of each recipe, fastest first
+    gpu_bytes: int = 0
+    source: tuple[Mesh, int] | None = None  # the three questions' layout and ZeRO stage, from the state alone
 
     @property
     def fits(self) -> bool:
-        return self.mesh is not None and self.state_bytes <= self.budget_bytes
+        return self.mesh is not None and self.memory.get("total", math.inf) <= self.gpu_bytes
 
     def __str__(self) -> str:
         if not self.fits:
@@ -53,62 +85,41 @@ class Plan:
         else:
             m = self.mesh
             name = "no data parallelism" if m.dp == 1 else stage_name(self.zero_stage) + " over dp"
-            head = f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}: {_size(self.state_bytes)} per GPU"
+            head = (f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}, m = {self.num_microbatches}: "
+                    f"{size_text(self.memory['total'])} per GPU, {self.time.tokens_per_s:,.0f} tokens/s, "
+                    f"MFU {self.time.mfu:.0%}")
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
-
-
-def stage_name(stage: int) -> str:
-    return "DDP" if stage == 0 else f"ZeRO-{stage}"
-
-
-def _tp_ok(config, tp: int) -> bool:
-    try:
-        check_tp_divisible(config, tp)
-        return True
-    except ValueError:
-        return False
-
-
-def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> dict[str, int]:
-    """Training state on the fullest GPU of ``mesh`` with ZeRO-``stage`` over its dp group:
-    {"weights", "grads", "optimizer", "total"} (ledger.zero_state_bytes of mesh.params_per_rank)."""
-    return max((zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp,
-                                 **CONVENTIONS[convention].per_param) for s in range(mesh.pp)),
-               key=lambda state: state["total"])
-
-
-def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
-    """What ZeRO-3 gathers to compute one layer: its weights and gradients, whole (or this rank's TP slice)."""
-    per_param = CONVENTIONS[convention]
-    return (per_param.weight_bytes + per_param.grad_bytes) * layer_params(config, tp)
-
-
-def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> int:
-    """The fullest GPU's training state, plus, with ZeRO-3, one layer gathered whole beside its shards."""
-    extra = gathered_layer_bytes(config, mesh.tp, convention) if stage == 3 else 0
-    return state_per_gpu(config, mesh, stage, convention)["total"] + extra
-
-
-def plan(config, *, num_gpus: int, gpu_bytes: int, gpus_per_node: int = 8, convention: str = "mixed",
-         reserve_bytes: int = 0) -> Plan:
-    """The layout the three questions lead to for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each."""
+def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: int = 8, convention: str = "mixed",
+         workload: Workload | None = None, gpu="A100 80GB", reserve_share: float = RESERVE_SHARE) -> Plan:
+    """The five questions for ``config`` on ``num_gpus`` GPUs of ``gpu_bytes`` each (default: ``gpu``'s memory;
+    ``gpu``, a hardware.GPUS key, also sets the speed and links that step time uses) for ``workload`` (default:
+    Workload()). The three questions give the source's layout from the state alone; the chosen layout is the
+    fastest that fits with its activations (questions 4 and 5), and ``fits`` is true only for such a layout."""
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
-    ask = _Questions(config, num_gpus, gpu_bytes - reserve_bytes, min(gpus_per_node, num_gpus), convention)
+    workload = workload or Workload()
+    gpu_bytes = gpu_bytes or find_gpu(gpu).memory_bytes
+    # Questions 1-3 weigh the state against the whole card, as the source does; 4 adds activations and the reserve.
+    ask = _Questions(config, num_gpus, gpu_bytes, min(gpus_per_node, num_gpus), convention)
     stage, ladder = ask.does_the_state_fit()
     if stage is None:
         whole = CONVENTIONS[convention].total * param_count_formula(config)
-        return Plan(None, None, ladder[3], ask.budget, ask.answers, math.ceil(whole / ask.budget))
+        return Plan(None, None, ladder[3], ask.budget, ask.answers, math.ceil(whole / ask.budget), gpu_bytes=gpu_bytes)
     tp = ask.does_one_layer_fit(stage, ladder[3])
-    layout = ask.where_are_the_node_boundaries(tp)
-    if layout is None:
-        return Plan(None, None, ladder[3], ask.budget, ask.answers)
-    mesh, stage = layout
-    return Plan(mesh, stage, need_per_gpu(config, mesh, stage, convention), ask.budget, ask.answers)
+    source = ask.where_are_the_node_boundaries(tp)
+    candidates = compare_recipes(config, num_gpus=num_gpus, gpu_bytes=gpu_bytes, workload=workload, gpu=gpu,
+                                 gpus_per_node=gpus_per_node, convention=convention, reserve_share=reserve_share)
+    ask.with_activations(source, workload, gpu_bytes, reserve_share)
+    ask.which_is_fastest(candidates)
+    chosen = candidates[0] if candidates and candidates[0].fits else None
+    if chosen is None:
+        return Plan(None, None, ladder[3], ask.budget, ask.answers, candidates=candidates, gpu_bytes=gpu_bytes,
+                    source=source)
+    return Plan(chosen.mesh, chosen.zero_stage, chosen.memory["state"], ask.budget, ask.answers,
+                num_microbatches=chosen.num_microbatches, memory=chosen.memory, time=chosen.time,
+                candidates=candidates, gpu_bytes=gpu_bytes, source=source)
 
 
 @dataclass
@@ -127,16 +138,16 @@ class _Questions:
     def does_the_state_fit(self) -> tuple[int | None, dict[int, int]]:
         """1. The DDP / ZeRO ladder over every GPU: the first rung that fits (None: none does)."""
         ladder = {s: state_per_gpu(self.config, Mesh(dp=self.num_gpus), s, self.convention)["total"] for s in range(4)}
-        rungs = ", ".join(f"{stage_name(s)} {_size(n)}" for s, n in ladder.items())
+        rungs = ", ".join(f"{stage_name(s)} {size_text(n)}" for s, n in ladder.items())
         stage = next((s for s, n in ladder.items() if n <= self.budget), None)
         if stage is None:
             whole = CONVENTIONS[self.convention].total * param_count_formula(self.config)
             self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; none fits in "
-                                f"{_size(self.budget)}: {_size(whole)} of state needs at least "
+                                f"{size_text(self.budget)}: {size_text(whole)} of state needs at least "
                                 f"{math.ceil(whole / self.budget)} such GPUs")
         else:
             self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; first that fits in "
-                                f"{_size(self.budget)}: {stage_name(stage)}")
+                                f"{size_text(self.budget)}: {stage_name(stage)}")
         return stage, ladder
 
     def does_one_layer_fit(self, stage: int, shards: int) -> int:
@@ -144,16 +155,16 @@ class _Questions:
         node). Returns the TP degree."""
         layer = gathered_layer_bytes(self.config, 1, self.convention)
         if stage != 3 or shards + layer <= self.budget:
-            self.answers.append(f"one layer gathered whole is {_size(layer)}: it fits, its size forces no TP")
+            self.answers.append(f"one layer gathered whole is {size_text(layer)}: it fits, its size forces no TP")
             return 1
-        tp = next((t for t in range(2, self.node + 1) if self.node % t == 0 and _tp_ok(self.config, t)
+        tp = next((t for t in range(2, self.node + 1) if self.node % t == 0 and tp_splits_heads(self.config, t)
                    and shards + layer / t <= self.budget), None)
         if tp is None:
-            raise ValueError(f"one layer's weights and gradients ({_size(layer)}) do not fit beside the shards "
-                             f"({_size(shards)}) in {_size(self.budget)}, even split over the {self.node} GPUs "
+            raise ValueError(f"one layer's weights and gradients ({size_text(layer)}) do not fit beside the shards "
+                             f"({size_text(shards)}) in {size_text(self.budget)}, even split over the {self.node} GPUs "
                              "of a node")
-        self.answers.append(f"one layer gathered whole is {_size(layer)}, beside {_size(shards)} of shards > "
-                            f"{_size(self.budget)}: TP={tp} inside a node")
+        self.answers.append(f"one layer gathered whole is {size_text(layer)}, beside {size_text(shards)} of shards > "
+                            f"{size_text(self.budget)}: TP={tp} inside a node")
         return tp
 
     def where_are_the_node_boundaries(self, tp: int) -> tuple[Mesh, int] | None:
@@ -166,7 +177,7 @@ class _Questions:
             self.answers.append(f"the model fits in one node of {node} GPUs: "
                                 + (f"its TP group stays inside a node and {where}" if tp > 1 else where))
             return mesh, self.first_fit(mesh)
-        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and _tp_ok(self.config, t))
+        node_tp = max(t for t in range(1, node + 1) if node % t == 0 and tp_splits_heads(self.config, t))
         layouts = [Mesh(dp=num_gpus // (node_tp * pp), tp=node_tp, pp=pp)
                    for pp in range(2, self.config.num_layers + 1) if num_gpus % (node_tp * pp) == 0]
         # ZeRO-1 whenever there is a dp axis: it costs no more traffic than DDP and leaves room for activations
@@ -191,6 +202,48 @@ class _Questions:
         return None
 
 
+    def with_activations(self, source: tuple[Mesh, int] | None, workload: Workload, gpu_bytes: int,
+                         reserve_share: float) -> None:
+        """4. The three questions' layout with the workload's activations and the reserve: does it still fit?"""
+        if source is None:
+            return
+        mesh, stage = source
+        m = workload.num_microbatches(mesh.dp)
+        seq_len = workload.seq_len or self.config.max_seq_len
+        shape = (f"{workload.global_batch_size} sequences of {seq_len} tokens, micro-batch "
+                 f"{workload.micro_batch_size}, {workload.recompute} recomputation"
+                 + (", sequence parallelism" if workload.sequence_parallel else ""))
+        if m is None:
+            self.answers.append(f"with {shape}: the batch does not split into whole micro-batches over dp {mesh.dp}")
+            return
+        memory = memory_per_gpu(self.config, mesh, stage, workload, gpu_bytes=gpu_bytes,
+                                convention=self.convention, reserve_share=reserve_share)
+        verdict = "it fits" if memory["total"] <= gpu_bytes else "it does NOT fit"
+        self.answers.append(f"with {shape} (m = {m}): that layout needs {size_text(memory['state'])} of state + "
+                            f"{size_text(memory['activations'])} of activations + {size_text(memory['reserve'])} reserve = "
+                            f"{size_text(memory['total'])} of {size_text(gpu_bytes)}: {verdict}")
+
+    def which_is_fastest(self, candidates: list[Layout]) -> None:
+        """5. The recipes side by side: the fastest that fits, and what each other one loses on."""
+        fitting = [c for c in candidates if c.fits]
+        if not fitting:
+            least = min(candidates, key=lambda c: c.memory["total"], default=None)
+            self.answers.append("no recipe fits with its activations" + (
+                f"; the closest is {least.recipe}, {size_text(least.memory['total'])} of {size_text(least.gpu_bytes)}: "
+                "recompute more, shorten the micro-batch, or add GPUs" if least else ""))
+            return
+        best, parts = fitting[0], []
+        for other in candidates[1:]:
+            if not other.fits:
+                parts.append(f"{other.recipe} does not fit ({size_text(other.memory['total'])})")
+                continue
+            slower = {k: v - best.time.breakdown()[k] for k, v in other.time.breakdown().items()}
+            worst = max(slower, key=slower.get)
+            parts.append(f"{other.recipe} {other.time.tokens_per_s / best.time.tokens_per_s:.2g}× as fast "
+                         f"({worst} +{seconds_text(slower[worst])} a step)")
+        self.answers.append(f"fastest that fits: {best}" + ("; " + "; ".join(parts) if parts else ""))
+
+
 def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | None = None,
                zero_stage: int = 0, config=None, gpu_bytes: int | None = None) -> list[str]:
     """The source's warnings against turning parallelism up like a speed knob, for one layout."""
@@ -207,6 +260,6 @@ def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | No
     if zero_stage == 3 and config is not None and gpu_bytes is not None:
         whole = zero_state_bytes(param_count_formula(config), 0, 1)["total"]
         if whole <= gpu_bytes:
-            smells.append(f"ZeRO-3 on a model whose whole state ({_size(whole)}) fits on one GPU: 1.5× the "
+            smells.append(f"ZeRO-3 on a model whose whole state ({size_text(whole)}) fits on one GPU: 1.5× the "
                           "traffic of DDP for memory that was not needed")
     return smells

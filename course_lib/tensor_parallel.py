@@ -38,6 +38,18 @@ So num_heads, num_kv_heads and intermediate must all divide by p: 16 heads canno
 
 Norms, embedding and head stay whole on every rank (replicated); their gradients come out the same on every
 rank because f and g make every replicated activation, and its gradient, whole.
+
+Sequence parallelism (序列并行, Korthikanti et al. 2022), ``apply_tp(model, comm, sequence_parallel=True)``.
+Plain TP keeps the residual stream whole between the matrices: every rank runs the same norms and saves the
+same activations. SP cuts that stream along the sequence (rank r keeps tokens [r·s/p, (r+1)·s/p)), and f and g
+change partner: before the column layers an all-gather (backward: reduce-scatter), after the row layers a
+reduce-scatter (backward: all-gather). An all-reduce *is* a reduce-scatter then an all-gather, (p-1)/p·n bytes
+each: the layers send exactly plain TP's bytes. Attention sees the whole gathered sequence: rotary positions
+stay global. New, and traced: (1) the first layer a rank runs takes its slice and the last one's output is
+gathered whole (backward: all-gather, and keep the slice), so embedding, final norm, head, loss and pipeline
+stage boundaries see whole activations: one all-gather each way per step and stage; (2) a norm's weight meets
+only this rank's tokens, so its gradient is a sum over ranks: f on the weight (2 all-reduces of d values per
+layer). The column layers' gathered input stays whole (ledger.gpt_layer_activation_bytes says why).
 """
 
 from __future__ import annotations
@@ -47,7 +59,14 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from .comm import Comm, wire_bytes
 
@@ -112,6 +131,65 @@ def gather_last_dim(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return GatherFromTensorParallelRegion.apply(x, comm)
 
 
+# ------------------------------------------- sequence parallelism's operators, on [batch, seq, hidden]
+
+def _check_sequence(seq_len: int, tp: int) -> None:
+    if seq_len % tp:
+        raise ValueError(f"sequence length {seq_len} is not divisible by TP={tp} ({seq_len} % {tp} = "
+                         f"{seq_len % tp}): sequence parallelism gives each rank an equal slice of the tokens")
+
+
+def _all_gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """[b, s/p, d] on every rank → [b, s, d], the slices in rank order (Comm stacks them along dim 0)."""
+    local = x.transpose(0, 1).contiguous()
+    whole = torch.empty((comm.size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(whole, local)
+    return whole.transpose(0, 1).contiguous()   # one copy in [b, s, d]: q, k and v then save the same storage
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """[b, s, d] partial sums on every rank → this rank's slice [b, s/p, d] of their sum."""
+    _check_sequence(x.shape[1], comm.size)
+    whole = x.transpose(0, 1).contiguous()
+    mine = torch.empty((whole.shape[0] // comm.size, *whole.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(mine, whole)
+    return mine.transpose(0, 1).contiguous()
+
+
+def _my_slice(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    _check_sequence(x.shape[1], comm.size)
+    return x.chunk(comm.size, dim=1)[comm.rank].contiguous()
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """All-gather along the sequence. Backward: reduce-scatter (``grad_is_partial``: the whole gradient is a
+    sum over ranks, as before column layers), or this rank's slice (the gradient is whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, grad_is_partial):
+        ctx.comm, ctx.grad_is_partial = comm, grad_is_partial
+        return _all_gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduce_or_slice = _reduce_scatter_sequence if ctx.grad_is_partial else _my_slice
+        return reduce_or_slice(grad, ctx.comm), None, None
+
+
+class ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """This rank's slice of the sequence: of the sum of every rank's x (``reduce``: a reduce-scatter, after the
+    row layers), or of an x that every rank holds whole (no communication). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm, reduce):
+        ctx.comm = comm
+        return _reduce_scatter_sequence(x, comm) if reduce else _my_slice(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.comm), None, None
+
+
 # ------------------------------------------------------------------------------------ the two layers
 
 def _rank_slice(size: int, comm: Comm, what: str) -> slice:
@@ -168,12 +246,13 @@ class RowParallelLinear(nn.Module):
 
     The input is this rank's slice X_i (``input_is_parallel``, the output of a column layer); otherwise the
     whole X is given and this rank takes its slice itself. The bias is added once, after the sum.
+    ``sequence_parallel``: reduce-scatter the sum along the sequence instead (this rank keeps its tokens).
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, *, bias: bool = False,
-                 input_is_parallel: bool = True):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
-        self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.columns = _rank_slice(in_features, comm, "in_features")
         bound = 1 / math.sqrt(in_features)
@@ -193,12 +272,26 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = f(x, self.comm)[..., self.columns]   # the whole X came in: its gradient is a sum over ranks
-        y = g(F.linear(x, self.weight), self.comm)
+        partial, comm = F.linear(x, self.weight), self.comm
+        y = ScatterToSequenceParallelRegion.apply(partial, comm, True) if self.sequence_parallel else g(partial, comm)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, tp={self.comm.size}")
+                f"out_features={self.out_features}, tp={self.comm.size}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+class SequenceParallelRMSNorm(nn.Module):
+    """model.RMSNorm on this rank's slice of the sequence. The weight is the same Parameter (same name, whole on
+    every rank), but it meets only this rank's tokens, so its gradient is a sum over ranks: f on the weight."""
+
+    def __init__(self, norm: nn.Module, comm: Comm):
+        super().__init__()
+        self.weight, self.eps, self.comm = norm.weight, norm.eps, comm
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, f(self.weight, self.comm), self.eps)
 
 
 # --------------------------------------------------------------------------------- the course model
@@ -219,31 +312,51 @@ def check_tp_divisible(config, tp: int) -> None:
         raise ValueError("; ".join(problems) + f". TP degrees that work for this model: {divisors}")
 
 
-def apply_tp(model: nn.Module, comm: Comm) -> nn.Module:
+def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False) -> nn.Module:
     """Split the course GPT over ``comm``'s ranks, in place (every rank must hold the same model).
 
     Attention: q/k/v by columns (this rank's heads), o_proj by rows. MLP: gate/up by columns, down by rows.
     One f at the input of each of the two, one g inside each row layer: 2 all-reduces forward, 2 backward
     per layer. Embedding, norms and head stay whole.
+
+    ``sequence_parallel``: the residual stream and the layers' norms on this rank's s/p tokens, f and g an
+    all-gather and a reduce-scatter (module docstring). Also on a pipeline stage (make_stage after apply_tp).
     """
     if getattr(model, "tp_size", None) is not None:
         raise ValueError(f"this model is already split over TP={model.tp_size}: apply_tp it once, to a whole model")
     check_tp_divisible(model.config, comm.size)
 
-    def copy_input(module, args):   # f once for all the column layers that read this input
-        return (f(args[0], comm),)
+    def enter_region(module, args):   # f, or its SP partner, once for all the column layers reading this input
+        x = args[0]
+        return (GatherFromSequenceParallelRegion.apply(x, comm, True) if sequence_parallel else f(x, comm),)
+
+    def held(end):   # the first (0) or last (-1) layer this rank runs: a pipeline stage's others are Identity
+        return [layer for layer in model.layers if not isinstance(layer, nn.Identity)][end]
+
+    def enter_stack(block, args):            # SP: the first layer takes this rank's slice of the sequence ...
+        if block is held(0):
+            return (ScatterToSequenceParallelRegion.apply(args[0], comm, False),)
+
+    def leave_stack(block, args, output):    # ... and the last one's output is gathered whole again
+        if block is held(-1):
+            return GatherFromSequenceParallelRegion.apply(output, comm, False)
 
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear.from_dense(getattr(attn, name), comm, copy_input=False))
-        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, comm)
+        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, comm, sequence_parallel=sequence_parallel)
         mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, comm, copy_input=False)
         mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, comm, copy_input=False)
-        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, comm)
-        attn.register_forward_pre_hook(copy_input)
-        mlp.register_forward_pre_hook(copy_input)
-    model.tp_size = comm.size
+        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, comm, sequence_parallel=sequence_parallel)
+        attn.register_forward_pre_hook(enter_region)
+        mlp.register_forward_pre_hook(enter_region)
+        if sequence_parallel:
+            layer.attn_norm = SequenceParallelRMSNorm(layer.attn_norm, comm)
+            layer.mlp_norm = SequenceParallelRMSNorm(layer.mlp_norm, comm)
+            layer.register_forward_pre_hook(enter_stack)
+            layer.register_forward_hook(leave_stack)
+    model.tp_size, model.sequence_parallel = comm.size, sequence_parallel
     return model
 
 
@@ -254,30 +367,54 @@ def tp_allreduce_bytes(batch_size: int, seq_len: int, hidden: int, bytes_per_ele
     return batch_size * seq_len * hidden * bytes_per_element
 
 
-def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4) -> dict:
+def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4,
+                    sequence_parallel: bool = False, num_layers: int | None = None) -> dict:
     """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring).
 
     Refuses a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would: a traffic
     figure for a layout that cannot run is no figure. (The payload of one all-reduce, tp_allreduce_bytes,
-    does not depend on the degree.)"""
+    does not depend on the degree.) ``num_layers``: those of one pipeline stage (default: all of them).
 
+    ``sequence_parallel``: per layer 4 all-gathers and 4 reduce-scatters of one activation, plain TP's bytes
+    ("layers_wire_bytes"); one all-gather each way at the stack's ends ("ends_wire_bytes"); an all-reduce of
+    each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count each op.
+    """
     check_tp_divisible(config, tp)
+    layers = config.num_layers if num_layers is None else num_layers
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
-    per_direction = 2 * config.num_layers
-    return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,
-            "payload_bytes_each": payload, "payload_bytes": 2 * per_direction * payload,
-            "wire_bytes_per_rank": 2 * per_direction * wire_bytes("all_reduce", payload, tp)}
+    if not sequence_parallel:
+        per_direction = 2 * layers
+        return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,
+                "forward_ops": {"all_reduce": per_direction}, "backward_ops": {"all_reduce": per_direction},
+                "payload_bytes_each": payload, "payload_bytes": 2 * per_direction * payload,
+                "wire_bytes_per_rank": 2 * per_direction * wire_bytes("all_reduce", payload, tp)}
+    _check_sequence(seq_len, tp)
+    norm_weight = config.hidden * bytes_per_element
+    gather, scatter = wire_bytes("all_gather", payload, tp), wire_bytes("reduce_scatter", payload, tp)
+    parts = {"layers_wire_bytes": 4 * layers * (gather + scatter), "ends_wire_bytes": 2 * gather,
+             "norm_weights_wire_bytes": 2 * layers * wire_bytes("all_reduce", norm_weight, tp)}
+    return {"forward_ops": {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers},
+            "backward_ops": {"reduce_scatter": 2 * layers, "all_gather": 2 * layers + 1, "all_reduce": 2 * layers},
+            "payload_bytes_each": payload, "payload_bytes": (8 * layers + 2) * payload + 2 * layers * norm_weight,
+            **parts, "wire_bytes_per_rank": sum(parts.values())}
 
 
-def dtensor_plan(config) -> dict:
-    """torch's DTensor plan for the same split: ``parallelize_module(model, mesh, dtensor_plan(config))``."""
-
-    plan = {}
+def dtensor_plan(config, sequence_parallel: bool = False) -> dict:
+    """torch's DTensor plan for the same split: ``parallelize_module(model, mesh, dtensor_plan(config))``.
+    ``sequence_parallel``: torchtitan's layout: the embedding's output cut along the sequence (Shard(1)), the
+    layers' norms ``SequenceParallel()``, attention and MLP inputs gathered whole (Replicate), their row layers
+    reduce-scattering back to Shard(1), the final norm's input gathered whole."""
+    plan, sequence = {}, dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sequence_parallel:
+        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan["norm"] = PrepareModuleInput(**sequence, use_local_output=True)
     for i in range(config.num_layers):
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.o_proj", "mlp.down_proj"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else None)
+        if sequence_parallel:
+            for name in ("attn", "mlp"):
+                plan[f"layers.{i}.{name}"] = PrepareModuleInput(**sequence)
+                plan[f"layers.{i}.{name}_norm"] = SequenceParallel()
     return plan
-
-

@@ -9,18 +9,12 @@ reply is ``("ok", value)`` or ``("error", when, summary, traceback)``. ``launch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import datetime
-import faulthandler
-import io
-import linecache
 import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
 import time
-import traceback
 import types
 from typing import Callable
 
@@ -29,40 +23,57 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .tracebacks import PLUMBING_FILES, dumps, interactive_sources, name_cells, skip_plumbing_frames, user_frames
+from .rank_process import LOOPBACK, arrival_key, worker_main
+from .tracebacks import (
+    PLUMBING_FILES,
+    GroupNotFormed,
+    Interrupted,
+    RankError,
+    RankTimeout,
+    WaitLine,
+    dumps,
+    interactive_sources,
+    name_cells,
+    user_frames,
+)
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's code, not in the worker loop
 
 TICK_SECONDS = 0.2      # how often a waiting notebook looks up, e.g. to redraw grouped output
 DEFAULT_TIMEOUT = 120.0  # seconds; a course cell runs in well under a minute, so a longer wait is a hang
-LOOPBACK = "127.0.0.1"   # a local world is reachable from this machine only: the store and the ranks listen here
+FORM_TIMEOUT = 60.0      # seconds for every rank to join the process group (~0.1 s for 8 ranks when quiet)
+
+# How many ranks one machine may start (see max_local_ranks).
+RANKS_PER_CORE = 8            # 8 ranks on 2 cores already run each step several times slower than 2 would
+RANK_MEMORY = 250 * 2**20     # bytes: torch in a rank is ~230 MiB resident (~10 MiB its own until it computes)
+MAX_LOCAL_RANKS = 128         # the notebook holds 5 open files per rank; a common limit is 1,024 per process
 
 
-class RankError(RuntimeError):
-    """A rank failed. ``rank`` names it; ``remote_traceback`` is its traceback as text."""
+def max_local_ranks(cpus: int, memory_bytes: int) -> int:
+    """The most ranks this module starts on one machine:
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str = "", when: float = 0.0):
-        self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
-        self.when = when  # time.monotonic() when it happened (one clock for the whole machine)
-        text = f"rank {rank}: {summary}"
-        if remote_traceback:
-            text += f"\n\n--- traceback of rank {rank} ---\n{remote_traceback.rstrip()}"
-        super().__init__(text)
+        min(RANKS_PER_CORE × cpus,  memory_bytes / RANK_MEMORY,  MAX_LOCAL_RANKS),  and at least 1
 
-    def _render_traceback_(self):
-        """What IPython shows: the rank's own traceback, not the launcher's frames that relayed it."""
-        return [f"{type(self).__name__}: {self}"]
+    = min(8 × cores, memory / 250 MiB, 128). Beyond it a world does not fail cleanly, it crawls: 1,000 ranks on
+    2 cores took 25 s to start and minutes to form a group (if at all). A larger world belongs under torchrun,
+    across machines.
+    """
+    return max(1, min(RANKS_PER_CORE * cpus, memory_bytes // RANK_MEMORY, MAX_LOCAL_RANKS))
 
 
-class RankTimeout(RankError):
-    """Some ranks did not finish in time. ``ranks`` lists them; ``stacks`` maps each to where it was."""
-
-    def __init__(self, ranks: list[int], timeout: float, stacks: dict[int, str]):
-        self.ranks, self.stacks = ranks, stacks
-        RuntimeError.__init__(self, f"ranks {ranks} did not finish within {timeout:g} s (a collective that "
-                              "not every rank called, or a loop that never ends?)\n\n" + "\n".join(
-                                  f"--- where rank {r} was ---\n{stacks.get(r, '(no stack)').rstrip()}" for r in ranks))
-        self.rank, self.summary, self.remote_traceback, self.when = ranks[0], "timeout", "", 0.0
+def check_world_fits(world_size: int, cpus: int | None = None, memory_bytes: int | None = None) -> None:
+    """A ValueError, before any process starts, for a world far beyond this machine (see max_local_ranks).
+    ``cpus`` and ``memory_bytes`` default to this machine's (usable cores, physical memory)."""
+    cpus = cpus or len(os.sched_getaffinity(0))
+    memory_bytes = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = max_local_ranks(cpus, memory_bytes)
+    if world_size > limit:
+        raise ValueError(
+            f"world_size={world_size} is more than this machine can run: it has {cpus} CPU cores and "
+            f"{memory_bytes / 2**30:.1f} GiB of memory, enough for {limit} ranks (the least of "
+            f"{RANKS_PER_CORE} ranks per core: {RANKS_PER_CORE * cpus}; one rank per {RANK_MEMORY >> 20} MiB: "
+            f"{memory_bytes // RANK_MEMORY}; and {MAX_LOCAL_RANKS}). A larger world runs under torchrun, "
+            "across machines; any one rank of it runs here on a fake group (course_lib.virtual).")
 
 
 def choose_backend(backend: str | None, ranks_per_node: int) -> str:
@@ -96,11 +107,12 @@ class WorkerGroup:
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, exit_after_error: bool = True,
-                 on_output: Callable[[int, str, str], None] | None = None):
+                 on_output: Callable[[int, str, str], None] | None = None, form_timeout: float = FORM_TIMEOUT):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size={world_size!r}: it must be a whole number of ranks, at least 1")
         self.world_size = world_size
         self.backend = choose_backend(backend, world_size)
+        check_world_fits(world_size)
         self.on_output = on_output or _print_with_prefix
         self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
         self._partial: dict[tuple[int, str], str] = {}
@@ -110,24 +122,65 @@ class WorkerGroup:
         cpus = len(os.sched_getaffinity(0))
         threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
         ctx = _context()
-        self.procs, self.conns, self._outputs, self._busy = [], [], {}, False
+        self.procs, self.conns, self._outputs = [], [], {}
+        self._busy = True  # until the group has formed: close() kills at once
         self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
-        for rank in range(world_size):
-            conn, child_conn = ctx.Pipe()
-            out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
-            err_r, err_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
-                rank, world_size, self.backend, self.store_port, threads, exit_after_error,
-                child_conn, out_w, err_w))
-            with _main_module_hidden():
-                proc.start()
-            for end in (child_conn, out_w, err_w):  # the worker holds these now
-                end.close()
-            for stream, reader in (("stdout", out_r), ("stderr", err_r)):
-                os.set_blocking(reader.fileno(), False)
-                self._outputs[reader.fileno()] = (rank, stream, reader)
-            self.procs.append(proc)
-            self.conns.append(conn)
+        line = WaitLine()
+        try:
+            for rank in range(world_size):
+                self._start_rank(ctx, rank, self.store_port, threads, exit_after_error)
+                if rank == 0:  # its start includes the forkserver's first (~3 s, importing torch): not counted,
+                    line = WaitLine()  # as no line could be updated while it lasts
+                line.show(f"starting the ranks' processes: {rank + 1} of {world_size}")
+            self._wait_until_formed(form_timeout, line)
+        except KeyboardInterrupt:
+            line.end()
+            self.close()
+            raise Interrupted("starting the ranks was interrupted; every rank process was stopped") from None
+        except BaseException:  # a rank that failed to join, a group that did not form: no process may outlive it
+            line.end()
+            self.close()
+            raise
+        line.end(f"the process group of {world_size} ranks formed")
+        self._busy = False
+
+    def _start_rank(self, ctx, rank: int, store_port: int, threads: int, exit_after_error: bool) -> None:
+        """Start the process of ``rank``; it will join the group through the store at ``store_port``."""
+        conn, child_conn = ctx.Pipe()
+        out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
+        err_r, err_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
+            rank, self.world_size, self.backend, store_port, threads, exit_after_error, child_conn, out_w, err_w))
+        with _main_module_hidden():
+            proc.start()
+        for end in (child_conn, out_w, err_w):  # the worker holds these now
+            end.close()
+        for stream, reader in (("stdout", out_r), ("stderr", err_r)):
+            os.set_blocking(reader.fileno(), False)
+            self._outputs[reader.fileno()] = (rank, stream, reader)
+        self.procs.append(proc)
+        self.conns.append(conn)
+
+    def _wait_until_formed(self, timeout: float, line: WaitLine) -> None:
+        """Wait until every rank says "joined" (after init_process_group and a barrier). Raises the RankError
+        of a rank that could not join, or GroupNotFormed after ``timeout`` seconds."""
+        everyone, joined = list(range(self.world_size)), {}
+        deadline = time.monotonic() + timeout
+        while len(joined) < self.world_size and time.monotonic() < deadline:
+            waiting = [r for r in everyone if r not in joined]
+            joined.update(self.collect(waiting, timeout=min(1.0, deadline - time.monotonic()), stop_at_error=True))
+            errors = [reply[1] for reply in joined.values() if reply[0] == "error"]
+            if errors:
+                raise min(errors, key=lambda err: err.when)
+            line.show(f"forming the process group: {len(self._arrived())} of {self.world_size} ranks arrived")
+        missing = [r for r in everyone if r not in joined]
+        if missing:
+            arrived = self._arrived()
+            raise GroupNotFormed(timeout, [r for r in missing if r not in arrived], [r for r in missing if r in arrived])
+
+    def _arrived(self) -> list[int]:
+        """The ranks that reached the rendezvous (they set their key in the store before joining the group)."""
+        return [r for r in range(self.world_size) if self._store.check([arrival_key(r)])]
 
     def __enter__(self):
         return self
@@ -299,12 +352,6 @@ def _loopback_store() -> dist.TCPStore:
         return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def _loopback_interface() -> str:
-    """The name of the loopback network interface: ``lo`` on Linux, ``lo0`` on macOS."""
-    names = [name for _, name in socket.if_nameindex()]
-    return next((name for name in names if name in ("lo", "lo0")), "lo")
-
-
 @contextlib.contextmanager
 def _main_module_hidden():
     """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
@@ -352,100 +399,3 @@ def sigint_ignored():
     finally:
         if old is not None:
             signal.signal(signal.SIGINT, old)
-
-
-def destroy_group() -> None:
-    """Leave this process's group, if it has one: its connections close, so peers waiting on it fail at once."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Inside a worker process
-
-
-def _worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w):
-    os.setpgrp()  # Jupyter's stop button signals the kernel's process group; ours is separate
-    # Interruptible whatever we inherited: a process started in the background by a shell (a CI job, nohup)
-    # ignores SIGINT, and so would every rank, and World could then only restart a rank stuck in a loop.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    _die_with_parent()
-    for fd, end in ((1, out_w), (2, err_w)):
-        os.dup2(end.fileno(), fd)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), line_buffering=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
-    torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MPLBACKEND="Agg")  # figures go to the notebook
-    # gloo listens on the address the host name resolves to: loopback on some machines, the network on many
-    # others (CI runners, cloud VMs). All ranks of a local world are on this machine: keep them on loopback.
-    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        init_group(rank, world_size, backend, store_port)
-    except Exception as exc:  # report a failed start like any other error
-        _reply_error(conn, exc)
-        return
-    while True:
-        try:
-            task = conn.recv_bytes()
-        except KeyboardInterrupt:
-            continue  # an interrupt meant for a task that had just finished
-        except (EOFError, OSError):
-            break  # the notebook closed the group
-        try:
-            fn, kwargs, sources = cloudpickle.loads(task)
-            linecache.cache.update(sources)  # so tracebacks show the notebook cell's lines
-            value = fn(rank, world_size, **kwargs)
-            reply = cloudpickle.dumps(("ok", _to_cpu(value)))
-        except BaseException as exc:  # KeyboardInterrupt too: the notebook should hear about it
-            _reply_error(conn, exc)
-            if exit_after_error:
-                os._exit(1)  # closing our sockets makes peers blocked in a collective fail fast
-            continue
-        _send_uninterrupted(conn, reply)
-    destroy_group()
-
-
-def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:
-    """Join the process group through the notebook's store. A rebuilt group (after a failure left the old
-    one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
-    store = dist.PrefixStore(f"generation{generation}", dist.TCPStore(LOOPBACK, store_port, is_master=False))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT * 5))
-
-
-def _send_uninterrupted(conn, data: bytes) -> None:
-    """Send a reply whole: an interrupt in the middle of it would garble the pipe."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        conn.send_bytes(data)
-    except (OSError, ValueError):
-        pass  # the notebook has gone
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _reply_error(conn, exc: BaseException) -> None:
-    when = time.monotonic()  # one clock for all processes on this machine: the earliest error is the cause
-    summary = f"{type(exc).__name__}: {exc}"
-    tb = "".join(traceback.format_exception(type(exc), exc, skip_plumbing_frames(exc.__traceback__)))
-    _send_uninterrupted(conn, cloudpickle.dumps(("error", when, summary, tb)))
-
-
-def _to_cpu(value):
-    """Results travel to the notebook, which may have no GPU: bring tensors home first."""
-    return torch.utils._pytree.tree_map(
-        lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
-
-
-def _die_with_parent() -> None:
-    """Linux: if our parent dies (the kernel is killed), the OS kills us too."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass

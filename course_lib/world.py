@@ -33,16 +33,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .rank_process import destroy_group, init_group
 from .tracebacks import PLUMBING_FILES
-from .workers import (
-    DEFAULT_TIMEOUT,
-    RankError,
-    RankTimeout,
-    WorkerGroup,
-    destroy_group,
-    init_group,
-    sigint_ignored,
-)
+from .workers import DEFAULT_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
@@ -51,13 +44,9 @@ GRACE = 1.0  # seconds to wait for the other ranks after one failed, before deci
 # answers (~10 ms when quiet), so this only bounds how long a rank that never answers delays the restart; a
 # busy 2-core machine can take seconds to run a rank's signal handler.
 RESPONSE_TIMEOUT = 5.0
-
-
-class Interrupted(KeyboardInterrupt):
-    """The stop button stopped the ranks; the message says what became of the world."""
-
-    def _render_traceback_(self):  # IPython shows this instead of the frames of the machinery
-        return [f"KeyboardInterrupt: {self}"]
+# What became of the world after a cell, in words (CellOutcome.world is the key).
+AFTERWARDS = {"ok": "they kept their variables and are ready for the next cell", "recovered": "the world recovered",
+              "restarted": "the world restarted"}
 
 
 @dataclass
@@ -171,7 +160,7 @@ class World:
             outcome = self._repair(ranks, replies, interrupt_first=bool(stuck) and not failed())
         outcome.timeout = timeout_error
         if interrupted:
-            raise Interrupted(f"the ranks were interrupted; the world {outcome.world}"
+            raise Interrupted(f"the ranks were interrupted; {AFTERWARDS[outcome.world]}"
                               + (f": {outcome.note}" if outcome.note else ""))
         return outcome
 

@@ -91,6 +91,13 @@ def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulati
             3: {"all_gather": 2 * a * share, "reduce_scatter": a * share}}[stage]
 
 
+def _starts_at(tensor: torch.Tensor, base: torch.Tensor, offset: int) -> bool:
+    """``tensor`` lives in ``base``'s memory, ``offset`` elements in: the same storage object (compared by its
+    address, so that meta tensors, whose data pointers are all 0, are told apart too) at that offset."""
+    return (tensor.untyped_storage()._cdata == base.untyped_storage()._cdata
+            and tensor.storage_offset() == base.storage_offset() + offset)
+
+
 class _Unit:
     """One unit's parameters in one flat buffer of world_size equal shards; the module's parameters view it."""
 
@@ -140,7 +147,8 @@ class ZeroDataParallel(nn.Module):
     Gradients are averaged over the ranks during backward; ``step()`` runs the optimizer on this rank's shards
     and (stages 1, 2) all-gathers the updated weights. Gradient accumulation: run all but the last micro-step's
     backward inside ``with model.no_sync():`` (stages 0, 1 then reduce once; stages 2, 3 reduce every micro-step
-    anyway: they keep no full gradients to add into). ``parameters()`` lists the module's parameters and the
+    anyway: they keep no full gradients to add into); in a pipeline, run them all inside it and then call
+    ``finish_gradient_sync()``. ``parameters()`` lists the module's parameters and the
     shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
     measure.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``memory_trace = []`` to record, at each
     gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
@@ -239,33 +247,47 @@ class ZeroDataParallel(nn.Module):
         unit.ready, unit.backwards = 0, unit.backwards + 1
         self._record("gradients ready", unit)             # stages 2, 3: this unit's full gradients exist now
         shard, size = unit.shard, self.comm.size
-        if unit.flat_grad is not None and any(p.grad.data_ptr() != unit.flat_grad.data_ptr() +
-                                              offset * p.grad.element_size() for p, offset in
-                                              zip(unit.params, unit.offsets)):
+        if unit.flat_grad is not None and not all(_starts_at(p.grad, unit.flat_grad, offset) for p, offset in
+                                                  zip(unit.params, unit.offsets)):
             raise RuntimeError(f"unit {unit.name}: gradients are no longer views of the flat gradient buffer; "
                                "reset them with model.zero_grad() (or let step() do it), not the module's own")
-        if self.stage <= 1 and not self._sync:
-            return                                          # no_sync: the next backward adds into flat_grad
+        if self.stage <= 1:
+            if self._sync:                                  # no_sync: the next backward adds into flat_grad
+                self._average_full_gradients(unit)
+            return
+        padding = unit.full.numel() - unit.numel
+        flat = torch.cat([p.grad.reshape(-1) for p in unit.params] + [unit.full.new_zeros(padding)])
+        for param in unit.params:
+            param.grad = None                               # stage 2's saving: full gradients live one unit long
+        reduced = torch.empty_like(shard.grad)
+        self.comm.reduce_scatter(reduced, flat)
+        shard.grad.add_(reduced.div_(size))                 # micro-steps add up in the shard's gradient
+        if self.stage == 3:
+            unit.free()
+        self._record("reduce gradients", unit)
+
+    def _average_full_gradients(self, unit: _Unit):
+        """Stages 0 and 1: all-reduce the unit's flat gradients, or reduce-scatter them into this rank's shard."""
         if self.stage == 0:
             self.comm.all_reduce(unit.flat_grad)
-            unit.flat_grad.div_(size)
-            unit.reduced = True
-        elif self.stage == 1:
-            reduced = torch.empty_like(shard.grad)
-            self.comm.reduce_scatter(reduced, unit.flat_grad)
-            shard.grad.copy_(reduced.div_(size))            # shard.grad is this rank's slice of flat_grad
-            unit.reduced = True
+            unit.flat_grad.div_(self.comm.size)
         else:
-            padding = unit.full.numel() - unit.numel
-            flat = torch.cat([p.grad.reshape(-1) for p in unit.params] + [unit.full.new_zeros(padding)])
-            for param in unit.params:
-                param.grad = None                           # stage 2's saving: full gradients live one unit long
-            reduced = torch.empty_like(shard.grad)
-            self.comm.reduce_scatter(reduced, flat)
-            shard.grad.add_(reduced.div_(size))             # micro-steps add up in the shard's gradient
-            if self.stage == 3:
-                unit.free()
+            reduced = torch.empty_like(unit.shard.grad)
+            self.comm.reduce_scatter(reduced, unit.flat_grad)
+            unit.shard.grad.copy_(reduced.div_(self.comm.size))   # shard.grad is this rank's slice of flat_grad
+        unit.reduced = True
         self._record("reduce gradients", unit)
+
+    def finish_gradient_sync(self):
+        """For a pipeline (pipeline_step runs every micro-batch's backward itself, so none can stay outside
+        ``no_sync()``): run them all inside the block, then call this once. Stages 0 and 1 average what the
+        micro-batches added up; stages 2 and 3 reduced in every backward already, so it does nothing there."""
+        if not self._sync:
+            raise RuntimeError("finish_gradient_sync() inside no_sync(): call it after the block")
+        if self.stage <= 1:
+            for unit in self.units:
+                if unit.backwards and not unit.reduced:
+                    self._average_full_gradients(unit)
 
     def step(self):
         """Update this rank's shards (gradients already averaged); stages 1, 2: all-gather the new weights."""

@@ -22,7 +22,7 @@ from common import lab_parser, model_overrides, reports
 from course_lib import device, launch
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, loss_fn, preset
-from course_lib.train import train
+from course_lib.train import reference_run
 
 
 def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, seq_len, lr):
@@ -70,8 +70,8 @@ def main():
     reference = None
     if run["params"] < 5_000_000:  # one process on the whole global batch: the answer DP must reproduce
         config = preset("tiny", **overrides)
-        reference = train(build(config, seed=0), SyntheticTokens(config.vocab_size, args.seq_len, seed=0),
-                          steps=args.steps, lr=args.lr, batch_size=args.global_batch)
+        reference = reference_run(config, steps=args.steps, batch_size=args.global_batch, lr=args.lr,
+                                  seq_len=args.seq_len)[0]
     median = sorted(run["step_seconds"])[len(run["step_seconds"]) // 2]
     print(f"\n{'ranks':>6} {'backend':>8} {'params':>12} {'first loss':>11} {'last loss':>10} "
           f"{'step (ms)':>10} {'replica spread':>15} {'vs 1 process':>13}")

@@ -1,5 +1,7 @@
-"""End to end, as a learner: real JupyterLab in headless Chromium runs notebook 00, moves a widget, and stops a
-long %%ranks cell with the stop button.
+"""End to end, as a learner: real JupyterLab in headless Chromium opens every notebook fresh (no raw widget text,
+no answer on screen), runs it from the menu, moves one control of its explorer and sees the figure change; in
+notebook 00 it also answers the exercise wrong and then right, asks for a world far beyond the machine, and stops
+a long %%ranks cell with the stop button.
 
 Needs Debian's `chromium` (`.ci/run` installs it) and the `playwright` package, which drives that system
 browser (no browser download). Skipped where chromium is missing, unless COURSE_REQUIRE_BROWSER=1 (as in CI).
@@ -16,6 +18,7 @@ import sys
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from conftest import REPO, gone
@@ -37,11 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab(tmp_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
     """A JupyterLab server on a copy of the course (so autosave cannot touch the real notebooks), with a home
     of its own: the user's saved workspace (other notebooks open, say) and settings must not change what the
     test sees, and the run must not write workspaces, runtime or kernel files into the user's home."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     for folder in ("notebooks", "labs"):
         shutil.copytree(REPO / folder, tmp_path / folder)
     state = tmp_path / "jupyter"  # JupyterLab's and the kernels' own files, instead of ~/.jupyter and friends
@@ -73,7 +77,7 @@ def lab(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "JupyterLab did not start"
                 time.sleep(0.3)
-        yield url, token, state
+        yield url, token, state, server.pid
     finally:
         server.terminate()
         try:
@@ -99,8 +103,39 @@ def wait_for(condition, seconds, what):
         time.sleep(0.2)
 
 
-def test_a_learner_runs_notebook_00_moves_a_widget_and_stops_a_long_cell(lab):
-    url, token, state = lab
+NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WIDGET_REPR = re.compile(r"\b(VBox|HBox|SelectionSlider|Dropdown|ToggleButtons|Output)\(")  # a widget as raw text
+ERROR_LINE = re.compile(r"^\w+(?:Error|Exception)\b.*$", re.M)
+
+
+def expected_errors(name: str) -> list[str]:
+    """The error lines a notebook shows on purpose (its committed outputs, which nbval keeps true): a bad
+    batch, heads that do not split, a world that does not factor ... Any other error in the browser is a bug."""
+    lines = []
+    for cell in json.loads((REPO / "notebooks" / name).read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            text = "\n".join(output.get("traceback", [])) + "".join(output.get("text", ""))
+            text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # tracebacks carry terminal colours
+            lines += ERROR_LINE.findall(text)
+    return lines
+
+
+@pytest.fixture(autouse=True)
+def no_orphans(lab):
+    """The server lives for the whole module; everything it started for one test (kernels, their ranks) must be
+    gone once the test has shut its kernel down."""
+    yield
+    server = psutil.Process(lab[3])
+    left = lambda: [p for p in server.children(recursive=True) if p.is_running() and p.status() != "zombie"]  # noqa: E731
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == [], "processes left behind"
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    _, _, state, _ = lab
     with sync_api.sync_playwright() as playwright:
         # Chromium's profile is a temporary one, but it still writes crash reports and dconf files under the
         # home directory: give it one of its own as well.
@@ -110,79 +145,170 @@ def test_a_learner_runs_notebook_00_moves_a_widget_and_stops_a_long_cell(lab):
             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"],
             env=dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
                      XDG_CACHE_HOME=str(home / ".cache")))
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{url}/lab/tree/notebooks/00_training_step.ipynb?token={token}")
-        # The toolbar says "idle" before a kernel exists: ask the server instead.
-        wait_for(lambda: kernel_state(url, token) == "idle", 60, "the notebook's kernel")
-        assert len(api(url, token, "sessions")) == 1, "other notebooks are open too (a saved workspace restored?)"
-
-        # Clear the committed outputs, then run all cells, through the menus as a learner would.
-        outputs = page.locator(".jp-OutputArea-output")
-        page.get_by_role("menuitem", name="Edit", exact=True).click()
-        page.get_by_role("menuitem", name=re.compile(r"^Clear Outputs of All Cells")).click()
-        assert outputs.count() == 0
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
-        queued = page.locator(".jp-InputPrompt", has_text="*")  # "[*]:" marks a cell queued or running
-        wait_for(lambda: queued.count() > 0, 30, "run-all to start")
-        wait_for(lambda: queued.count() == 0 and kernel_state(url, token) == "idle", 180, "run-all to finish")
-        errors = [text for text in outputs.all_inner_texts() if re.search(r"^(\w+Error\b|Traceback)", text, re.M)]
-        unexpected = [text for text in errors if "found a bad batch" not in text]  # the one failure on purpose
-        assert len(errors) >= 1 and not unexpected, unexpected   # (an error also stops Run All: checked first)
-        # A cell's output and its "done" reply travel on two channels: on a busy machine the prompt can change
-        # before the last output is drawn.
-        wait_for(lambda: outputs.filter(has_text="all ranks stopped").count() == 1, 30, "the last cell's output")
-        assert outputs.filter(has_text="every rank holds the single-process mean").count() == 1
-
-        # Move the learning-rate slider one notch: a new curve is trained and the plot changes.
-        slider = page.locator(".widget-slider .noUi-handle").first
-        slider.scroll_into_view_if_needed()
-        plot = page.locator(".widget-output img").first
-        before = plot.get_attribute("src")
-        slider.focus()
-        page.keyboard.press("ArrowRight")
-        wait_for(lambda: plot.get_attribute("src") != before, 60, "the plot to change")
-        assert "0.03" in page.locator(".widget-readout").first.inner_text()
-
-        # A long %%ranks cell, then the stop button.
-        last = page.locator(".jp-Cell").last
-        last.click()
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")  # new cell below, in edit mode after Enter
-        page.keyboard.press("Enter")
-        page.keyboard.insert_text("%ranks start 2\nimport os\nprint('kernel', os.getpid())")
-        page.keyboard.press("Shift+Enter")
-        wait_for(lambda: page.get_by_text("2 ranks started").count() == 1, 60, "ranks to start")
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")
-        page.keyboard.press("Enter")
-        page.keyboard.insert_text("%%ranks\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)")
-        page.keyboard.press("Shift+Enter")
-        long_cell = page.locator(".jp-Cell", has_text="time.sleep(120)")
-        pids_shown = lambda: [int(p) for p in re.findall(r"── rank \d ──\s+(\d+)", long_cell.inner_text())]  # noqa: E731
-        wait_for(lambda: len(pids_shown()) == 2, 30, "both ranks' process ids")
-        pids = pids_shown()
-        page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
-        wait_for(lambda: page.get_by_text("KeyboardInterrupt").count() >= 1, 20, "the interrupt")
-        wait_for(lambda: kernel_state(url, token) == "idle", 20, "the kernel to be idle")
-
-        # The kernel is usable, the ranks still answer, and %ranks stop leaves no process behind.
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")
-        page.keyboard.press("Enter")
-        page.keyboard.insert_text("%ranks stop\nprint('still here:', 6 * 7)")
-        page.keyboard.press("Shift+Enter")
-        wait_for(lambda: page.get_by_text("still here: 42").count() == 1, 30, "the kernel to answer")
-        assert gone(pids), "rank processes left behind"
-
-        # An interactive (plotly) figure renders in the page: 4 stages × 8 micro-batches × (F, B) = 64 bars.
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")
-        page.keyboard.press("Enter")
-        page.keyboard.insert_text("from course_lib import interactive\nfrom course_lib.pipeline_parallel import simulate\n"
-                                  "interactive.show(interactive.pipeline_gantt(simulate('1f1b', 4, 8, 1.0, 2.0)))")
-        page.keyboard.press("Shift+Enter")
-        bars = page.locator(".js-plotly-plot g.point")
-        wait_for(lambda: bars.count() == 64, 30, "the plotly Gantt chart's 64 bars")
-        page.screenshot(path=str(REPO / ".pytest-browser.png"))  # ignored by git; handy when this fails
+        yield browser
         browser.close()
+
+
+@pytest.fixture
+def page(lab, browser):
+    """A fresh tab; afterwards its kernel is shut down and a screenshot kept (ignored by git; handy when a
+    check fails)."""
+    url, token, *_ = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    yield page
+    page.screenshot(path=str(REPO / ".pytest-browser.png"))
+    page.close()
+    for session in api(url, token, "sessions"):
+        request = urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(request, timeout=10).close()
+
+
+def open_fresh(page, lab, name: str) -> None:
+    """Open a notebook as a learner finds it (``reset``: no tabs restored from an earlier visit)."""
+    url, token, *_ = lab
+    page.goto(f"{url}/lab/tree/notebooks/{name}?reset&token={token}")
+    # The toolbar says "idle" before a kernel exists: ask the server instead.
+    wait_for(lambda: kernel_state(url, token) == "idle", 60, "the notebook's kernel")
+    assert len(api(url, token, "sessions")) == 1, "other notebooks are open too (a saved workspace restored?)"
+    wait_for(lambda: page.locator(".jp-OutputArea-output").count() > 0, 30, "the committed outputs")
+
+
+def check_nothing_raw_and_no_answer_shown(page, name: str) -> None:
+    """What a learner sees before running anything: no widget as raw text, no exercise marked correct."""
+    shown = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+    assert not WIDGET_REPR.search(shown), f"{name}: a widget shown as raw text: {WIDGET_REPR.search(shown)[0]}..."
+    assert "✓" not in shown, f"{name}: an exercise shows as solved before the learner has done anything"
+
+
+def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
+    """Clear every output, then run every cell, through the menus as a learner would; every cell ran (Run All
+    stops at an error, except in cells tagged raises-exception) and only the errors shown on purpose appear."""
+    url, token, *_ = lab
+    outputs = page.locator(".jp-OutputArea-output")
+    page.get_by_role("menuitem", name="Edit", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Clear Outputs of All Cells")).click()
+    assert outputs.count() == 0
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
+    queued = page.locator(".jp-InputPrompt", has_text="*")  # "[*]:" marks a cell queued or running
+    wait_for(lambda: queued.count() > 0, 30, "run-all to start")
+    wait_for(lambda: queued.count() == 0 and kernel_state(url, token) == "idle", seconds, f"{name} to finish")
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    assert not [p for p in prompts if re.fullmatch(r"\[\s*\]:", p.strip())], f"{name}: Run All stopped early"
+    # A cell's output and its "done" reply travel on two channels: on a busy machine the prompt can change
+    # before the last output is drawn.
+    last = page.locator(".jp-CodeCell").last.locator(".jp-OutputArea-output")
+    if json.loads((REPO / "notebooks" / name).read_text())["cells"][-1].get("outputs"):
+        wait_for(lambda: last.count() > 0, 30, "the last cell's output")
+    allowed = expected_errors(name)
+    shown = [line for text in outputs.all_inner_texts() for line in ERROR_LINE.findall(text)]
+    unexpected = [line for line in shown if not any(line.startswith(a[:40]) for a in allowed)]
+    assert not unexpected, f"{name}: errors not shown on purpose: {unexpected}"
+
+
+def explorer_cell(page):
+    """The cell that builds the notebook's explorer panel (the one that calls ``explorers.``)."""
+    return page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="explorers.")).last
+
+
+def move_one_control_and_see_the_figure_change(page, name: str) -> None:
+    """Change the explorer's first dropdown (or slider, or toggle button) and wait for its figure to change."""
+    cell = explorer_cell(page)
+    cell.scroll_into_view_if_needed()
+    figure = cell.locator(".widget-output img").first
+    wait_for(lambda: figure.count() == 1, 60, f"{name}: the explorer's figure")
+    before = figure.get_attribute("src")
+    dropdowns, sliders = cell.locator(".widget-dropdown select"), cell.locator(".widget-slider .noUi-handle")
+    toggles = cell.locator(".widget-toggle-buttons button:not(.mod-active)")
+    if dropdowns.count():
+        select = dropdowns.first
+        current = select.input_value()
+        other = next(v for v in select.locator("option").evaluate_all("os => os.map(o => o.value)") if v != current)
+        select.select_option(other)
+    elif sliders.count():
+        sliders.first.focus()
+        page.keyboard.press("ArrowRight")
+    else:
+        toggles.first.click()
+    wait_for(lambda: figure.count() == 1 and figure.get_attribute("src") != before, 120,
+             f"{name}: the explorer's figure to change")
+
+
+def add_cell(page, code: str) -> None:
+    """A new cell at the end of the notebook, typed and run."""
+    page.locator(".jp-Cell").last.click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # new cell below, in edit mode after Enter
+    page.keyboard.press("Enter")
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Shift+Enter")
+
+
+@pytest.mark.parametrize("name", [n for n in NOTEBOOKS if not n.startswith("00")])
+def test_a_learner_opens_a_notebook_runs_it_from_the_menu_and_moves_its_explorer(lab, page, name):
+    open_fresh(page, lab, name)
+    check_nothing_raw_and_no_answer_shown(page, name)
+    clear_and_run_all(page, lab, name)
+    move_one_control_and_see_the_figure_change(page, name)
+
+
+def test_a_learner_works_through_notebook_00_and_its_ranks(lab, page):
+    url, token, *_ = lab
+    name = "00_training_step.ipynb"
+    open_fresh(page, lab, name)
+    check_nothing_raw_and_no_answer_shown(page, name)
+    clear_and_run_all(page, lab, name, seconds=180)
+    outputs = page.locator(".jp-OutputArea-output")
+    assert outputs.filter(has_text="all ranks stopped").count() == 1
+    assert outputs.filter(has_text="every rank holds the single-process mean").count() == 1
+
+    # Move the learning-rate slider one notch: a new curve is trained and the plot changes.
+    move_one_control_and_see_the_figure_change(page, name)
+    assert "0.03" in explorer_cell(page).locator(".widget-readout").first.inner_text()
+
+    # The exercise, answered wrong (a sum, in place): a hint, and no answer until the learner asks; then right.
+    exercise = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="def mean_over_ranks")).first
+    said = lambda: exercise.locator(".jp-OutputArea").inner_text()  # noqa: E731
+
+    def answer(code: str) -> None:
+        exercise.locator(".cm-content").click()
+        page.keyboard.press("Control+a")
+        page.keyboard.insert_text(code)
+        page.keyboard.press("Shift+Enter")
+
+    answer("def mean_over_ranks(rank, world_size, value):\n    dist.all_reduce(value)\n    return value\n\n"
+           "exercises.check_mean_over_ranks(mean_over_ranks);")
+    wait_for(lambda: "stuck?" in said(), 60, "the hint to a wrong answer")
+    assert "✓" not in said() and "clone" not in said(), said()   # no pass, and not the reference answer
+    answer("def mean_over_ranks(rank, world_size, value):\n    total = value.clone()\n    dist.all_reduce(total)\n"
+           "    return total / world_size\n\nexercises.check_mean_over_ranks(mean_over_ranks);")
+    wait_for(lambda: "✓ correct" in said(), 60, "the right answer confirmed")
+
+    # A world far beyond this machine is refused at once, saying what the machine has.
+    add_cell(page, "%ranks start 100000")
+    refusal = page.locator(".jp-Cell", has_text="%ranks start 100000").locator(".jp-OutputArea-output")
+    wait_for(lambda: "100000" in " ".join(refusal.all_inner_texts()) and "cores" in " ".join(refusal.all_inner_texts()),
+             30, "the refusal of 100000 ranks")
+
+    # A long %%ranks cell, then the stop button.
+    add_cell(page, "%ranks start 2\nimport os\nprint('kernel', os.getpid())")
+    wait_for(lambda: page.get_by_text("2 ranks started").count() == 1, 60, "ranks to start")
+    add_cell(page, "%%ranks\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)")
+    long_cell = page.locator(".jp-Cell", has_text="time.sleep(120)")
+    pids_shown = lambda: [int(p) for p in re.findall(r"── rank \d ──\s+(\d+)", long_cell.inner_text())]  # noqa: E731
+    wait_for(lambda: len(pids_shown()) == 2, 30, "both ranks' process ids")
+    pids = pids_shown()
+    page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
+    wait_for(lambda: page.get_by_text("KeyboardInterrupt").count() >= 1, 20, "the interrupt")
+    wait_for(lambda: kernel_state(url, token) == "idle", 20, "the kernel to be idle")
+
+    # The kernel is usable, the ranks still answer, and %ranks stop leaves no process behind.
+    add_cell(page, "%ranks stop\nprint('still here:', 6 * 7)")
+    wait_for(lambda: page.get_by_text("still here: 42").count() == 1, 30, "the kernel to answer")
+    assert gone(pids), "rank processes left behind"
+
+    # An interactive (plotly) figure renders in the page: 4 stages × 8 micro-batches × (F, B) = 64 bars.
+    add_cell(page, "from course_lib import interactive\nfrom course_lib.pipeline_parallel import simulate\n"
+                   "interactive.show(interactive.pipeline_gantt(simulate('1f1b', 4, 8, 1.0, 2.0)))")
+    bars = page.locator(".js-plotly-plot g.point")
+    wait_for(lambda: bars.count() == 64, 30, "the plotly Gantt chart's 64 bars")

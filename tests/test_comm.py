@@ -95,8 +95,8 @@ def test_gloo_really_sends_the_ring_bytes_plus_a_small_header_per_step(world_siz
 
 
 def test_wire_bytes_rejects_unknown_ops_and_bad_sizes():
-    with pytest.raises(ValueError, match=r"op='all_to_all': known ops are all_reduce, reduce_scatter"):
-        wire_bytes("all_to_all", 100, 2)
+    with pytest.raises(ValueError, match=r"op='gather': known ops are all_reduce, reduce_scatter"):
+        wire_bytes("gather", 100, 2)
     with pytest.raises(ValueError, match=r"group_size=0 must be >= 1"):
         wire_bytes("all_reduce", 100, 0)
     with pytest.raises(ValueError, match=r"payload_bytes=-1"):
@@ -156,3 +156,38 @@ def test_measure_bandwidth_rows_follow_nccl_tests_definitions(op):
             assert row["busbw"] == pytest.approx(row["algbw"] * BUS_FACTOR[op](2))
     model = CostModel.fit(per_rank[0], group_size=2)
     assert model.alpha >= 0 and model.beta > 0
+
+
+def test_framing_per_message_and_its_inverse_count_all_reduces():
+    """A ring all-reduce sends 2(p-1) messages per rank; a fixed header on each explains every extra byte."""
+    from course_lib.comm import all_reduces_from_framing, framing_bytes_per_message
+    payload, header, p, num_all_reduces = 986_496, 288, 4, 12
+    counted = payload + num_all_reduces * 2 * (p - 1) * header
+    assert framing_bytes_per_message(counted, payload, num_all_reduces, p) == header
+    assert all_reduces_from_framing(counted, payload, header, p) == num_all_reduces
+    assert not all_reduces_from_framing(counted + 100, payload, header, p).is_integer()  # unexplained bytes show
+
+
+def all_to_all_exchanged(rank, world_size):
+    """Chunk j of this rank's input (two values, 100·rank + 2j and + 1) goes to rank j; also one bad shape."""
+    comm = Comm()
+    sent = torch.arange(2 * world_size, dtype=torch.float64) + 100 * rank
+    received = torch.empty_like(sent)
+    with comm.trace() as log:
+        comm.all_to_all(received, sent)
+    try:
+        comm.all_to_all(torch.empty(5), torch.empty(5))
+    except ValueError as err:
+        error = str(err)
+    return received.tolist(), [(r.op, r.payload_bytes, r.wire_bytes) for r in log.records], error
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_delivers_chunk_j_to_rank_j_and_counts_what_leaves_the_rank(world_size):
+    p, payload = world_size, 2 * world_size * 8     # 2 float64 values per rank pair
+    for rank, (received, records, error) in enumerate(launch(all_to_all_exchanged, world_size)):
+        assert received == [float(100 * i + 2 * rank + half) for i in range(p) for half in (0, 1)]
+        assert records == [("all_to_all", payload, (p - 1) * payload / p)]   # its own chunk stays here
+        assert error == (f"all_to_all: input (5,) and output (5,) must have the same shape, with dim 0 divisible "
+                         f"by {p} (the group size)")
+    assert wire_bytes("all_to_all", 4000, 4) == 3000 and wire_bytes("all_to_all", 4000, 1) == 0

@@ -190,6 +190,13 @@ def misuse(rank, world_size):
         naive.finish_gradient_sync()
     except RuntimeError as err:
         errors.append(str(err))
+    fresh = BucketedDDP(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), comm, bucket_bytes=16)
+    fresh(x).sum().backward()
+    fresh.finish_gradient_sync()
+    try:
+        fresh.finish_gradient_sync()              # twice: nothing new was all-reduced
+    except RuntimeError as err:
+        errors.append(str(err))
     try:
         wrap(model, "deepspeed", comm)
     except ValueError as err:
@@ -200,11 +207,12 @@ def misuse(rank, world_size):
 def test_mistakes_fail_with_errors_that_say_what_to_do():
     for identical, errors in launch(misuse, 2):
         assert identical                           # the wrapper broadcast rank 0's weights to everyone
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert "finish_gradient_sync() was called inside no_sync()" in errors[0]
         assert "the gradient of 1.bias was ready twice before finish_gradient_sync()" in errors[1]
         assert "parameter 1.weight has no gradient" in errors[2]
-        assert errors[3] == "kind='deepspeed': choose one of none, naive, bucketed, torch"
+        assert errors[3].startswith("no gradient was all-reduced since the last finish_gradient_sync()")
+        assert errors[4] == "kind='deepspeed': choose one of none, naive, bucketed, torch"
 
 
 def ring_against_gloo(rank, world_size, n):

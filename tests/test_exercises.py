@@ -1,18 +1,28 @@
 """course_lib.exercises: every checker given an unfinished answer (the notebook's "Not done yet", not an error),
-each typical wrong answer it has a hint for (that hint printed, and False), and the notebook's reference answer
-(✓ and True). Checkers that run the answer on ranks do so here too (marked ``ranks``); the rest run in this
-process."""
+each typical wrong answer it has a hint for (that hint printed, and False), and its reference answer from
+course_lib.solutions (✓ and True). Checkers that run the answer on ranks do so here too (marked ``ranks``); the
+rest run in this process. Last, the notebooks: each exercise appears once, as the learner's unfinished cell, with
+no reference answer anywhere on the page."""
 
 import contextlib
+import inspect
+import json
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import exercises
+from course_lib import exercises, exercises_layout, solutions
 from course_lib.pipeline_parallel import gpipe_actions
 
 NOT_DONE = "Not done yet: replace `raise NotImplementedError`"
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+CHECKERS = sorted(name for name, fn in inspect.getmembers(exercises, inspect.isfunction) if name.startswith("check_"))
+IN_PROCESS = {"check_mlp_saved_bytes", "check_3d_layout", "check_layout_at_scale"}   # the others start ranks
 
 
 def unfinished(*args, **kwargs):
@@ -20,24 +30,63 @@ def unfinished(*args, **kwargs):
 
 
 def verdict(capsys, result: bool, expected: bool, *words: str) -> str:
-    """Assert the checker's result, that its output holds ``words``, that it says ✓ exactly when right, and ✗
-    exactly for a wrong answer that ran (not for an unfinished one, nor one that raised)."""
+    """Assert the checker's result, that its output holds ``words``, that it says ✓ exactly when right, ✗ exactly
+    for a wrong answer that ran (not for an unfinished one, nor one that raised or hung), and how to see the
+    reference answer exactly when wrong."""
     shown = capsys.readouterr().out
     assert result is expected, shown
     for word in words:
         assert word in shown, shown
-    assert ("✓" in shown) == expected and ("✗" in shown) == (not expected and NOT_DONE not in shown
-                                                             and "failed on" not in shown), shown
+    ran = not any(text in shown for text in (NOT_DONE, "failed on", "did not finish within"))
+    assert ("✓" in shown) == expected and ("✗" in shown) == (not expected and ran), shown
+    assert ("stuck? run exercises.solution('" in shown) == (not expected), shown
     return shown
 
 
+# ---- every checker · its reference answer ---------------------------------------------------------
+
+RIGHT = {   # what a checker says to its reference answer
+    "check_mean_over_ranks": ["✓ correct: all 4 ranks hold the mean [15.0, 16.0, 17.0]"],
+    "check_mlp_saved_bytes": ["✓ correct at all 4 shapes"],
+    "check_copy_to_tp_region": ["✓ correct: identity forward, one all-reduce backward"],
+    "check_accumulation_step": ["✓ correct:", "for 3 micro-batches", "on all 12 rows"],
+    "check_one_f_one_b": ["✓ correct: as fast as GPipe (bubble 27.3% at p=4, m=8)", "on 3 real ranks"],
+    "check_reduce_grad_shard": ["✓ correct: one reduce-scatter"],
+    "check_3d_layout": ["✓ dp 2 × tp 8 × pp 2, ZeRO-1, m = 32 (micro-batches of 1)", "state 42.3 GiB + activations "
+                        "26.6 GiB + reserve 8.0 GiB = 76.9 GiB of 80.0 GiB", "bubble 3.0%, TP inside the node"],
+}
+
+
+@pytest.mark.parametrize("checker", [pytest.param(name, marks=() if name in IN_PROCESS else pytest.mark.ranks)
+                                     for name in CHECKERS])
+def test_every_checker_passes_its_reference_answer(capsys, checker):
+    """A new exercise fails here until course_lib/solutions.py has its answer, and that answer passes."""
+    exercise = checker.removeprefix("check_")
+    assert exercise in solutions.BY_EXERCISE, f"course_lib/solutions.py has no reference answer to {checker}"
+    verdict(capsys, getattr(exercises, checker)(solutions.BY_EXERCISE[exercise]), True, *RIGHT.get(checker, []))
+
+
+def test_every_reference_answer_has_a_checker():
+    assert sorted(f"check_{name}" for name in solutions.BY_EXERCISE) == CHECKERS
+
+
+@pytest.mark.parametrize("checker", CHECKERS)
+def test_solution_prints_the_reference_answer_of_the_checkers_notebook(capsys, checker):
+    exercise = checker.removeprefix("check_")
+    notebook = getattr(exercises, checker).__doc__[:2]           # each checker's docstring starts "NN:"
+    exercises.solution(exercise)
+    shown = capsys.readouterr().out
+    assert shown.strip() == inspect.getsource(solutions.BY_EXERCISE[exercise]).strip()
+    assert f"The reference answer to notebook {notebook}'s exercise" in shown, shown
+
+
+def test_solution_of_an_unknown_exercise_lists_the_exercises(capsys):
+    exercises.solution("mean")
+    shown = capsys.readouterr().out
+    assert shown.startswith("There is no exercise 'mean'; the exercises are 'mean_over_ranks', "), shown
+
+
 # ---- 00 · check_mean_over_ranks --------------------------------------------------------------------
-
-def reference_mean_over_ranks(rank, world_size, value):
-    total = value.clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total / world_size
-
 
 def sum_over_ranks(rank, world_size, value):
     total = value.clone()
@@ -60,18 +109,12 @@ def all_reduce_returns_none(rank, world_size, value):
     (all_reduce_returns_none, False, ["Your function failed on rank", "TypeError"]),
     (sum_over_ranks, False, ["✗ rank 0 returned tensor([10., 12., 14.]", "expected [5.0, 6.0, 7.0]"]),
     (mean_in_place, False, ["✗ rank 0: your function changed the caller's `value` in place", "value.clone()"]),
-    (reference_mean_over_ranks, True, ["✓ correct: all 2 ranks hold the mean [5.0, 6.0, 7.0]"]),
-], ids=["unfinished", "fails", "sum", "in-place", "right"])
+], ids=["unfinished", "fails", "sum", "in-place"])
 def test_check_mean_over_ranks(capsys, answer, expected, words):
     verdict(capsys, exercises.check_mean_over_ranks(answer, world_size=2), expected, *words)
 
 
 # ---- 01 · check_mlp_saved_bytes (in this process) --------------------------------------------------
-
-def reference_mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_per_value):
-    tokens = batch_size * seq_len
-    return tokens * hidden * bytes_per_value + 4 * tokens * intermediate * bytes_per_value
-
 
 @pytest.mark.parametrize("answer, expected, words, hint", [
     (unfinished, False, ["Not done yet: replace `raise NotImplementedError` with your formula"], None),
@@ -85,8 +128,7 @@ def reference_mlp_saved_bytes(batch_size, seq_len, hidden, intermediate, bytes_p
     (lambda b, s, h, i, e: b * s * (h + 4 * i) * 4, False,          # fp32 only: right at the first shape
      ["✗ for batch 3, seq 5, hidden 64, intermediate 96, 2 bytes/value"], None),
     (lambda b, s, h, i, e: 1, False, ["you predicted 1, measured 9216"], None),
-    (reference_mlp_saved_bytes, True, ["✓ correct at all 4 shapes"], None),
-], ids=["unfinished", "no-input", "no-down-input", "input-twice", "fp32-only", "unrecognised", "right"])
+], ids=["unfinished", "no-input", "no-down-input", "input-twice", "fp32-only", "unrecognised"])
 def test_check_mlp_saved_bytes(capsys, answer, expected, words, hint):
     shown = verdict(capsys, exercises.check_mlp_saved_bytes(answer), expected, *words)
     assert shown.count("hint:") == (hint is not None) and (hint or "") in shown
@@ -94,17 +136,7 @@ def test_check_mlp_saved_bytes(capsys, answer, expected, words, hint):
 
 # ---- 04 · check_copy_to_tp_region --------------------------------------------------------------------
 
-class ReferenceCopy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad)
-        return grad, None
+ReferenceCopy = solutions.CopyToTensorParallelRegion   # each wrong answer below changes one of its methods
 
 
 class UnfinishedCopy(torch.autograd.Function):
@@ -163,23 +195,12 @@ class MeanBackward(ReferenceCopy):
     (LocalBackward, False, ["only this rank's share", "All-reduce the gradient in backward"]),
     (UntracedBackward, False, ["backward made 0 traced collectives", "dist.all_reduce is not traced"]),
     (MeanBackward, False, ["differs from the dense layer's (sum, not mean"]),
-    (ReferenceCopy, True, ["✓ correct: identity forward, one all-reduce backward"]),
-], ids=["unfinished", "g-not-f", "forward-collective", "no-all-reduce", "untraced", "mean", "right"])
+], ids=["unfinished", "g-not-f", "forward-collective", "no-all-reduce", "untraced", "mean"])
 def test_check_copy_to_tp_region(capsys, answer, expected, words):
     verdict(capsys, exercises.check_copy_to_tp_region(answer), expected, *words)
 
 
 # ---- 02 · check_accumulation_step --------------------------------------------------------------------
-
-def reference_accumulation_step(ddp, optimizer, micro_batches, loss_fn):
-    optimizer.zero_grad()
-    for i, (inputs, targets) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else ddp.no_sync():
-            (loss_fn(ddp(inputs), targets) / len(micro_batches)).backward()
-    ddp.finish_gradient_sync()
-    optimizer.step()
-
 
 def sync_every_micro_batch(ddp, optimizer, micro_batches, loss_fn):
     optimizer.zero_grad()
@@ -195,6 +216,38 @@ def never_sync(ddp, optimizer, micro_batches, loss_fn):
         for inputs, targets in micro_batches:
             (loss_fn(ddp(inputs), targets) / len(micro_batches)).backward()
     optimizer.step()
+
+
+def never_sync_then_finish(ddp, optimizer, micro_batches, loss_fn):
+    """finish_gradient_sync() then finds no bucket sent, and ddp's own error blames unused parameters."""
+    optimizer.zero_grad()
+    with ddp.no_sync():
+        for inputs, targets in micro_batches:
+            (loss_fn(ddp(inputs), targets) / len(micro_batches)).backward()
+    ddp.finish_gradient_sync()
+    optimizer.step()
+
+
+def finish_inside_no_sync(ddp, optimizer, micro_batches, loss_fn):
+    optimizer.zero_grad()
+    with ddp.no_sync():
+        for inputs, targets in micro_batches:
+            (loss_fn(ddp(inputs), targets) / len(micro_batches)).backward()
+        ddp.finish_gradient_sync()
+    optimizer.step()
+
+
+def no_backward(ddp, optimizer, micro_batches, loss_fn):
+    optimizer.zero_grad()
+    for inputs, targets in micro_batches:
+        loss_fn(ddp(inputs), targets)
+    optimizer.step()
+
+
+def finish_twice(ddp, optimizer, micro_batches, loss_fn):
+    """A synced backward, then an error from ddp that is not the never-synced case: reported as it is."""
+    solutions.accumulation_step(ddp, optimizer, micro_batches, loss_fn)
+    ddp.finish_gradient_sync()
 
 
 def step_without_waiting(ddp, optimizer, micro_batches, loss_fn):
@@ -223,29 +276,30 @@ def zero_grad_every_micro_batch(ddp, optimizer, micro_batches, loss_fn):
     optimizer.step()
 
 
+NEVER_SYNCED = ("✗ no gradient was ever all-reduced: every micro-batch, the last one included, ran inside "
+                "no_sync()")
+
+
 @pytest.mark.ranks
 @pytest.mark.parametrize("answer, expected, words", [
     (unfinished, False, [NOT_DONE]),
     (sync_every_micro_batch, False, ["you synced after every one of the 3 micro-batches", "ddp.no_sync()"]),
-    (never_sync, False, ["✗ no all-reduce at all"]),
+    (never_sync, False, [NEVER_SYNCED]),
+    (never_sync_then_finish, False, [NEVER_SYNCED, "The last one must run outside it"]),
+    (finish_inside_no_sync, False, [NEVER_SYNCED]),
+    (no_backward, False, ["✗ no backward ran: call .backward() on each micro-batch's loss"]),
+    (finish_twice, False, ["RuntimeError: no gradient was all-reduced since the last finish_gradient_sync()"]),
     (step_without_waiting, False, ["✗ the ranks ended with different weights", "finish_gradient_sync()"]),
     (summed_losses, False, ["✗ the gradient is 3x too large", "divide each micro-batch's loss"]),
     (zero_grad_every_micro_batch, False, ["✗ the weights differ from one process", "zero the gradients once"]),
-    (reference_accumulation_step, True, ["✓ correct:", "for 3 micro-batches", "on all 12 rows"]),
-], ids=["unfinished", "sync-every-time", "never-sync", "no-finish", "no-division", "zero-grad-inside", "right"])
+], ids=["unfinished", "sync-every-time", "never-sync", "never-sync-then-finish", "finish-inside-no-sync",
+        "no-backward", "finish-twice", "no-finish", "no-division", "zero-grad-inside"])
 def test_check_accumulation_step(capsys, answer, expected, words):
-    verdict(capsys, exercises.check_accumulation_step(answer), expected, *words)
+    shown = verdict(capsys, exercises.check_accumulation_step(answer), expected, *words)
+    assert "find_unused_parameters" not in shown, shown   # no answer here leaves a parameter out of the loss
 
 
 # ---- 05 · check_one_f_one_b --------------------------------------------------------------------------
-
-def reference_one_f_one_b(stage, num_stages, num_microbatches):
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    actions = [("F", k) for k in range(warmup)]
-    for k in range(warmup, num_microbatches):
-        actions += [("F", k), ("B", k - warmup)]
-    return actions + [("B", k) for k in range(num_microbatches - warmup, num_microbatches)]
-
 
 def with_warmup(count):
     """1F1B's shape with ``count(stage, num_stages)`` warm-up forwards instead of p - s - 1."""
@@ -259,7 +313,7 @@ def with_warmup(count):
 
 
 def forgets_the_last_backward(stage, num_stages, num_microbatches):
-    return reference_one_f_one_b(stage, num_stages, num_microbatches)[:-1]
+    return solutions.one_f_one_b(stage, num_stages, num_microbatches)[:-1]
 
 
 @pytest.mark.parametrize("answer, words", [
@@ -290,16 +344,13 @@ def one_f_one_b_that_changes_the_loss(stage, num_stages, num_microbatches):
             return original(*args, label_smoothing=0.1, **kwargs)
         smoothed.smoothed = True
         torch.nn.functional.cross_entropy = smoothed
-    return reference_one_f_one_b(stage, num_stages, num_microbatches)
+    return solutions.one_f_one_b(stage, num_stages, num_microbatches)
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("answer, expected, words", [
-    (one_f_one_b_that_changes_the_loss, False, ["✗ on 3 real ranks the loss is", "gradients off by up to"]),
-    (reference_one_f_one_b, True, ["✓ correct: as fast as GPipe (bubble 27.3% at p=4, m=8)", "on 3 real ranks"]),
-], ids=["wrong-on-ranks", "right"])
-def test_check_one_f_one_b_on_real_ranks(capsys, answer, expected, words):
-    verdict(capsys, exercises.check_one_f_one_b(answer), expected, *words)
+def test_check_one_f_one_b_on_real_ranks(capsys):
+    verdict(capsys, exercises.check_one_f_one_b(one_f_one_b_that_changes_the_loss), False,
+            "✗ on 3 real ranks the loss is", "gradients off by up to")
 
 
 # ---- 03 · check_reduce_grad_shard --------------------------------------------------------------------
@@ -311,11 +362,6 @@ def padded_sum_shard(flat_grad, comm):
     shard = flat_grad.new_empty(shard_size)
     comm.reduce_scatter(shard, padded)
     return shard, padded
-
-
-def reference_reduce_grad_shard(flat_grad, comm):
-    shard, _ = padded_sum_shard(flat_grad, comm)
-    return shard / comm.size
 
 
 def unpadded(flat_grad, comm):
@@ -367,37 +413,119 @@ def divided_by_elements(flat_grad, comm):
     (whole_input, False, ["✗ on 2 ranks, rank 0: expected a shard of 5 elements (ceil(10/2)), got torch.Size([10])"]),
     (shard_sum, False, ["✗ on 2 ranks, rank 0: that is the sum over ranks"]),
     (divided_by_elements, False, ["✗ on 2 ranks, rank 0: got [0.0, 0.3", "expected [0.0, 1.5, 3.0, 4.5, 6.0]"]),
-    (reference_reduce_grad_shard, True, ["✓ correct: one reduce-scatter"]),
-], ids=["unfinished", "unpadded", "fails", "all-reduce", "untraced", "whole", "sum", "wrong-values", "right"])
+], ids=["unfinished", "unpadded", "fails", "all-reduce", "untraced", "whole", "sum", "wrong-values"])
 def test_check_reduce_grad_shard(capsys, answer, expected, words):
     verdict(capsys, exercises.check_reduce_grad_shard(answer), expected, *words)
 
 
 # ---- 06 · check_3d_layout (in this process) ----------------------------------------------------------
 
-def layout(dp=2, tp=8, pp=2, zero_stage=1, num_microbatches=16, **changes):
-    answer = dict(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, num_microbatches=num_microbatches)
-    return lambda: {**answer, **changes}
+def layout(dp=2, tp=8, pp=2, zero_stage=1, num_microbatches=32, **changes):
+    """The reference layout with some values changed; a value of None removes that key."""
+    answer = dict(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, num_microbatches=num_microbatches, **changes)
+    return lambda: {key: value for key, value in answer.items() if value is not None}
 
 
 @pytest.mark.parametrize("answer, words", [
     (unfinished, [NOT_DONE]),
-    (lambda: {"dp": 2, "tp": 8, "pp": 2, "zero_stage": 1}, ["✗ KeyError: 'num_microbatches'"]),
-    (lambda: (2, 8, 2, 1, 16), ["✗ TypeError: tuple indices must be integers"]),
+    (lambda: {"dp": 2, "tp": 8, "pp": 2, "num_microbatches": 32},
+     ["✗ your dict has no 'zero_stage': it needs the keys dp, tp, pp, zero_stage, num_microbatches\n"]),
+    (layout(zero=1, zero_stage=None), ["✗ your dict has no 'zero_stage'", "(and 'zero' is not one of them)"]),
+    (lambda: {"tp": 8}, ["✗ your dict has no 'dp', 'pp', 'zero_stage', 'num_microbatches': it needs the keys"]),
+    (lambda: (2, 8, 2, 1, 32), ["✗ layout() returned a tuple; return a dict with the keys dp, tp, pp, zero_stage"]),
+    (layout(dp="2"), ["✗ ValueError: dp='2': each degree of parallelism is a whole number"]),
     (layout(dp=4), ["✗ ValueError: world_size 32 != dp 4 × tp 8 × pp 2 = 64"]),
     (layout(dp=4, tp=1, pp=8, num_microbatches=3), ["✗ ValueError: each dp rank's batch of 16", "num_microbatches=3"]),
     (layout(zero_stage=4), ["✗ zero_stage=4: one of 0 (DDP), 1, 2, 3"]),
     (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "ZeRO-1 is the most a pipeline takes"]),
-    (layout(dp=32, tp=1, pp=1, zero_stage=0, num_microbatches=1), ["✗ 1027.8 GiB of training state on the "
-                                                                   "fullest GPU > 80 GiB: shard more"]),
+    (layout(dp=32, tp=1, pp=1, zero_stage=0, num_microbatches=1),
+     ["✗ the busiest GPU needs state 1027.8 GiB + activations 282.1 GiB + reserve 8.0 GiB = 1317.9 GiB: 1237.9 GiB "
+      "more than its 80.0 GiB", "hint: the state overflows: 1027.8 GiB where the card leaves 72.0 GiB beside its "
+      "8.0 GiB reserve, 955.8 GiB too much before any activation: shard it more"]),
+    (layout(dp=32, tp=1, pp=1, zero_stage=3, num_microbatches=2),      # FSDP alone: every GPU runs all 80 layers
+     ["✗ the busiest GPU needs state 35.3 GiB + activations 141.2 GiB + reserve 8.0 GiB = 184.5 GiB",
+      "hint: the activations overflow: 141.2 GiB where the state and the reserve leave 36.7 GiB, 104.5 GiB too "
+      "much. They shrink with more TP;"]),
     (layout(num_microbatches=2), ["✗ the bubble is (p-1)/(m+p-1) = 1/3 = 33%: more micro-batches"]),
     (layout(num_microbatches=0), ["✗ ValueError: num_microbatches=0 must be a whole number >= 1"]),
-], ids=["unfinished", "missing-key", "not-a-dict", "wrong-size", "uneven-batch", "no-such-stage", "zero3-pipeline",
-        "does-not-fit", "bubble", "no-micro-batches"])
+], ids=["unfinished", "missing-key", "misspelt-key", "missing-keys", "not-a-dict", "not-a-number", "wrong-size",
+        "uneven-batch", "no-such-stage", "zero3-pipeline", "state-does-not-fit", "activations-do-not-fit", "bubble",
+        "no-micro-batches"])
 def test_check_3d_layout_says_what_is_wrong(capsys, answer, words):
     verdict(capsys, exercises.check_3d_layout(answer), False, *words)
 
 
-def test_check_3d_layout_accepts_the_notebooks_answer(capsys):
-    verdict(capsys, exercises.check_3d_layout(layout()), True,
-            "✓ dp 2 × tp 8 × pp 2, ZeRO-1, m = 16", "bubble 5.9%, TP inside the node")
+def test_check_3d_layout_refuses_the_old_answer_whose_activations_do_not_fit(capsys):
+    """The old checker weighed the state alone and passed dp 2 × tp 8 × pp 2, ZeRO-1 with 16 micro-batches:
+    42.3 GiB of state. Its micro-batches are 2 sequences (64 / (2 · 16)), and stage 0 keeps 2 of them in flight:
+    the activations no longer fit. Micro-batches of one sequence fit, with sequence parallelism only."""
+    verdict(capsys, exercises.check_3d_layout(layout(num_microbatches=16)), False,
+            "✗ the busiest GPU needs state 42.3 GiB + activations 52.8 GiB + reserve 8.0 GiB = 103.1 GiB: 23.1 GiB "
+            "more than its 80.0 GiB", "hint: the activations overflow: 52.8 GiB where the state and the reserve "
+            "leave 29.7 GiB, 23.1 GiB too much. They shrink with smaller micro-batches (b = 2 sequences now")
+    without_sp = replace(exercises_layout.WORKLOAD, sequence_parallel=False)
+    verdict(capsys, exercises.check_3d_layout(layout(), workload=without_sp), False,
+            "activations 61.6 GiB + reserve 8.0 GiB = 111.9 GiB", "hint: the activations overflow",
+            "They shrink with sequence parallelism")
+    verdict(capsys, exercises.check_3d_layout(layout()), True, "76.9 GiB of 80.0 GiB")
+
+
+@pytest.mark.parametrize("answer", [layout(dp=4, pp=1, zero_stage=3, num_microbatches=16),   # FSDP + TP
+                                    layout(dp=1, pp=4, zero_stage=1, num_microbatches=64)],
+                         ids=["fsdp-tp", "tp-pp"])
+def test_check_3d_layout_passes_other_layouts_that_fit(capsys, answer):
+    verdict(capsys, exercises.check_3d_layout(answer), True, "TP inside the node")
+
+
+# ---- an answer that hangs ------------------------------------------------------------------------
+
+def mean_that_never_returns(rank, world_size, value):
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.ranks
+def test_an_answer_that_hangs_says_the_ranks_are_running_then_where_they_hung(capsys, monkeypatch):
+    monkeypatch.setattr(exercises, "NOTICE_SECONDS", 0.5)
+    monkeypatch.setattr(exercises, "TIMEOUT_SECONDS", 4.0)
+    shown = verdict(capsys, exercises.check_mean_over_ranks(mean_that_never_returns, world_size=2), False,
+                    "Your function did not finish within 4 s: ranks [0, 1] were still running",
+                    "a loop that never ends?", "--- where rank 0 was ---", "--- where rank 1 was ---",
+                    "in mean_that_never_returns")
+    assert shown.startswith("waiting for 2 ranks… (a hang is reported after 4 s)\n"), shown
+
+
+# ---- the notebooks: the learner's cell, and no answer on the page -----------------------------------
+
+def exercise_cells(notebook: Path) -> list[tuple[int, dict]]:
+    cells = json.loads(notebook.read_text())["cells"]
+    return [(i, cell) for i, cell in enumerate(cells)
+            if cell["cell_type"] == "code" and "exercises.check_" in "".join(cell["source"])]
+
+
+def test_each_checker_is_called_once_in_the_notebooks_by_the_learners_unfinished_cell():
+    called = []
+    for notebook in NOTEBOOKS:
+        for i, cell in exercise_cells(notebook):
+            source = "".join(cell["source"])
+            where = f"{notebook.name}, cell {i}"
+            called += re.findall(r"exercises\.(check_\w+)\(", source)
+            assert "raise NotImplementedError" in source, f"{where} calls a checker with a finished answer"
+            assert not cell["metadata"].get("jupyter", {}).get("source_hidden"), f"{where} is hidden"
+            text = "".join("".join(output.get("text", "")) for output in cell.get("outputs", []))
+            if cell.get("outputs"):                                  # committed outputs, where there are any
+                assert "✓" not in text and "Not done yet" in text, f"{where} shows {text!r}"
+    assert sorted(called) == CHECKERS
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
+def test_no_reference_answer_is_on_a_notebooks_page(notebook):
+    """No code cell prints an answer, and no "Your turn" section (up to the next heading) hides one in a
+    <details> block: a learner sees an answer only by running exercises.solution(...) themselves."""
+    cells = json.loads(notebook.read_text())["cells"]
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code":
+            assert "solution" not in "".join(cell["source"]), f"{notebook.name}, cell {i} shows a reference answer"
+    markdown = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
+    for section in re.findall(r"## Your turn\n(.*?)(?=\n#|\Z)", markdown, flags=re.S):
+        assert "<details>" not in section, f"{notebook.name}: an answer under 'Your turn'"

@@ -2,17 +2,24 @@
 defaults, computes and draws at once, and redraws when a control changes: new numbers in the panel's
 attributes (rows, memory, plan, runs, curves), a new figure (each figure a panel draws is recorded here, since
 an Output widget only captures inside a kernel) and new printed text. The panels that run ranks (DDP overlap,
-pipeline, TP speed when it must measure) run tiny settings and stop their ranks."""
+pipeline, TP speed when it must measure) run tiny settings and stop their ranks. Every panel ends showing what
+its controls say, even when they change while it works, and says what it is where no kernel draws it."""
 
+import base64
+import html
 import os
 from dataclasses import dataclass
 
 import ipywidgets as widgets
 import matplotlib
+import matplotlib.figure
 import matplotlib.pyplot as plt
 import pytest
 
 from course_lib import explorers, plots
+from course_lib.explorers import formulas, live
+from course_lib.explorers._panel import format_bytes, plural
+from course_lib.layouts import Workload, memory_per_gpu
 from course_lib.ledger import zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.model import param_count_formula, preset
@@ -31,20 +38,19 @@ class Drawing:
 
     @property
     def title(self) -> str:
-        """The figure's title, wherever the plot put it (suptitle or the first axes')."""
-        ax = self.figure.axes[0]
-        suptitle = self.figure._suptitle.get_text() if self.figure._suptitle else ""
-        return suptitle or ax.get_title() or ax.get_title(loc="left")
+        """The title the panel asked for (how the figure sets it out, wrapped or not, is the plot's business)."""
+        return self.kwargs["title"]
 
 
 @pytest.fixture
 def drawn(monkeypatch):
     """Every figure a panel draws through course_lib.plots, in order."""
     drawings = []
-    for name in [n for n, f in vars(plots).items() if callable(f) and getattr(f, "__module__", "") == plots.__name__]:
+    for name in [n for n in plots.__all__ if callable(getattr(plots, n))]:
         def record(*args, _name=name, _draw=getattr(plots, name), **kwargs):
             figure = _draw(*args, **kwargs)
-            drawings.append(Drawing(_name, args, kwargs, figure))
+            if isinstance(figure, matplotlib.figure.Figure):   # not helpers such as speed_words
+                drawings.append(Drawing(_name, args, kwargs, figure))
             return figure
         monkeypatch.setattr(plots, name, record)
     yield drawings
@@ -73,9 +79,15 @@ def every_option(panel, drawn, skip=()):
 # ---- 00 · learning rate -------------------------------------------------------------------------------
 
 def test_learning_rate_explorer_trains_each_rate_once_and_keeps_every_curve(drawn, monkeypatch):
-    trained = []
-    real = explorers.tiny_loss_curve
-    monkeypatch.setattr(explorers, "tiny_loss_curve", lambda lr, steps: trained.append(lr) or real(lr, steps=steps))
+    trained, disabled_while_training, panel = [], [], None
+    real = live.tiny_loss_curve
+
+    def train(lr, steps):                                            # the real training, watched
+        trained.append(lr)
+        if panel is not None:                                        # (not while the panel is being built)
+            disabled_while_training.append(panel.controls["lr"].disabled)
+        return real(lr, steps=steps)
+    monkeypatch.setattr(live, "tiny_loss_curve", train)
     panel = explorers.learning_rate_explorer(steps=3)
     assert isinstance(panel, widgets.VBox)
     slider, out = panel.children
@@ -92,6 +104,9 @@ def test_learning_rate_explorer_trains_each_rate_once_and_keeps_every_curve(draw
     slider.value = 1e-2                                              # explored already: redrawn, not retrained
     assert trained == [1e-2, 0.1] and len(drawn) == 3 and drawn[-1].kwargs["highlight"] == "lr=0.01"
     assert plt.get_fignums() == []                                   # each figure closed once shown
+    assert disabled_while_training == [True] and not slider.disabled     # disabled while training only
+    label_px = int(slider.style.description_width.removesuffix("px"))
+    assert label_px >= 8 * len("learning rate")                      # the label is not cut to "learning r..."
 
 
 # ---- 01 · memory ----------------------------------------------------------------------------------------
@@ -129,7 +144,7 @@ def test_memory_explorer_redraws_for_a_smaller_model_recomputation_and_a_custom_
     panel.controls["model"].value = "custom"
     assert panel.controls["hidden"].layout.display is None and panel.controls["layers"].layout.display is None
     panel.controls["hidden"].value, panel.controls["layers"].value = 512, 2
-    custom = param_count_formula(explorers._custom_config(512, 2))
+    custom = param_count_formula(formulas._custom_config(512, 2))
     assert panel.rows["GPT-3 formula (16-bit activations)"]["weights"] == 2 * custom
     assert drawn[-1].title.startswith(f"custom ({custom:,} params)") and len(drawn) == 6
 
@@ -171,37 +186,75 @@ def test_zero_explorer_draws_every_setting_of_every_control(drawn):
 
 # ---- 06 · the plan ----------------------------------------------------------------------------------------
 
-def test_plan_explorer_answers_the_three_questions_and_redraws_for_fewer_gpus(drawn, capsys):
+def test_plan_explorer_answers_the_five_questions_and_draws_every_recipe_with_its_activations(drawn, capsys):
+    """Llama-2-70B on 32 × A100 80GB: the three questions' layout (dp 2 × tp 8 × pp 2, ZeRO-1) holds 42.3 GiB of
+    state, but with its activations and the reserve nothing fits until sequence parallelism is on."""
     panel = explorers.plan_explorer()
-    assert values(panel.controls) == {"model": "Llama-2-70B", "gpus": 32, "gpu": "80 GiB (A100 80GB)",
-                                      "per_node": 8}
-    assert panel.plan.fits and (panel.plan.mesh, panel.plan.zero_stage) == (Mesh(dp=2, tp=8, pp=2), 1)
+    assert values(panel.controls) == {"model": "Llama-2-70B", "gpus": 32, "gpu": "A100 80GB", "per_node": 8,
+                                      "sequence_parallel": False, "recompute": "selective"}
+    assert panel.plan.source == (Mesh(dp=2, tp=8, pp=2), 1) and not panel.plan.fits
     (drawing,) = drawn
-    rows = list(drawing.args[0])
-    assert len(rows) == 5 and rows[-1] == "plan: dp2×tp8×pp2, ZeRO-1"       # 4 ZeRO rungs, then the plan
-    assert drawing.kwargs["capacity_bytes"] == 80 * GiB
+    rows = drawing.args[0]
+    assert drawing.kwargs["capacity_bytes"] == 80 * GiB and drawing.kwargs["capacity_label"] == "A100 80GB"
+    assert list(rows) == ["questions 1-3: dp2×tp8×pp2, ZeRO-1"] + [
+        f"{c.recipe}: dp{c.mesh.dp}×tp{c.mesh.tp}×pp{c.mesh.pp}, " + ("no dp" if c.mesh.dp == 1 else f"ZeRO-{c.zero_stage}")
+        for c in panel.plan.candidates]                       # no ▶: nothing is chosen
+    source = memory_per_gpu(preset("llama2-70b"), Mesh(dp=2, tp=8, pp=2), 1, Workload(seq_len=4096),
+                            gpu_bytes=80 * GiB)
+    for parts, memory in zip(rows.values(), [source] + [c.memory for c in panel.plan.candidates]):
+        assert list(parts) == ["weights", "grads", "optimizer", "activations", "reserve"]
+        assert parts["reserve"] == 8 * GiB and parts["activations"] == memory["activations"]
+        assert sum(parts.values()) == memory["total"] > 80 * GiB
     shown = capsys.readouterr().out
-    assert str(panel.plan) in shown and "bad smell" not in shown
+    assert str(panel.plan) in shown and "4. with 1024 sequences of 4096 tokens" in shown and "it does NOT fit" in shown
+    assert "TP + PP + ZeRO-1  dp1×tp8×pp4, no dp, m = 1024" in shown and "yes" not in shown
 
-    panel.controls["gpus"].value = 8
-    assert not panel.plan.fits and len(drawn[-1].args[0]) == 4 and "on 8 GPUs" in drawn[-1].title
+    panel.controls["sequence_parallel"].value = True
+    chosen = panel.plan
+    assert chosen.fits and (chosen.mesh, chosen.zero_stage, chosen.num_microbatches) == (Mesh(dp=2, tp=8, pp=2), 1, 512)
+    assert "▶ TP + PP + ZeRO-1: dp2×tp8×pp2, ZeRO-1" in drawn[-1].args[0] and "sequence parallel" in drawn[-1].title
+    assert sum(drawn[-1].args[0]["▶ TP + PP + ZeRO-1: dp2×tp8×pp2, ZeRO-1"].values()) == chosen.memory["total"]
+    shown = capsys.readouterr().out
+    assert "5. fastest that fits: TP + PP + ZeRO-1" in shown and f"{chosen.time.tokens_per_s:>10,.0f}" in shown
+
+    panel.controls["gpu"].value = "H100 SXM"                  # the same 80 GiB, three times the FLOP/s
+    assert panel.plan.time.tokens_per_s > 2 * chosen.time.tokens_per_s and "H100 SXM 80GB" in capsys.readouterr().out
+    panel.controls["gpu"].value = "A100 80GB"
+    panel.controls["sequence_parallel"].value = False
+    panel.controls["recompute"].value = "full"                # the other way to make it fit
+    assert panel.plan.fits and panel.plan.memory["activations"] < chosen.memory["activations"]
+
+    panel.controls["gpus"].value = 8                          # not even the state fits: the ZeRO ladder, state only
+    assert not panel.plan.fits and panel.plan.source is None and "on 8 GPUs" in drawn[-1].title
+    assert list(drawn[-1].args[0]) == [f"{name} over 8 (state only)" for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
+    assert "at least 13 GPUs" in capsys.readouterr().out
     panel.controls["model"].value = "tiny"
     assert panel.plan.fits and drawn[-1].title.startswith("tiny on 8 GPUs")
 
 
 def test_plan_explorer_prints_an_impossible_request_and_every_bad_smell(drawn, capsys, monkeypatch):
-    panel = explorers.plan_explorer()
-    capsys.readouterr()
-    monkeypatch.setattr(explorers, "bad_smells", lambda *args, **kwargs: ["TP 16 does not fit in the nodes"])
-    panel.controls["gpu"].value = "40 GiB (A100 40GB)"
+    panel = explorers.plan_explorer(sequence_parallel=True)
+    assert panel.plan.fits and "bad smell" not in capsys.readouterr().out
+    monkeypatch.setattr(formulas, "bad_smells", lambda *args, **kwargs: ["TP 16 does not fit in the nodes"])
+    panel.controls["gpu"].value = "H200 SXM"
     assert "bad smell: TP 16 does not fit in the nodes" in capsys.readouterr().out
 
     def refuse(*args, **kwargs):   # the controls offer no such request: a stand-in for plan's ValueErrors
         raise ValueError("num_gpus=12 must be a whole number of nodes")
-    monkeypatch.setattr(explorers, "plan", refuse)
+    monkeypatch.setattr(formulas, "plan", refuse)
     panel.controls["gpus"].value = 16
     assert panel.plan is None and len(drawn) == 2                    # no new figure, the message instead
     assert "num_gpus=12 must be a whole number of nodes" in capsys.readouterr().out
+
+
+def test_plan_explorer_draws_every_setting_of_every_control(drawn):
+    every_option(explorers.plan_explorer(), drawn)
+
+
+def test_the_memory_and_zero_explorers_offer_the_catalogues_cards_and_a_learners_own():
+    assert explorers.GPUS == {"24 GiB (RTX 4090)": 24 * GiB, "40 GiB (A100 40GB)": 40 * GiB,
+                              "80 GiB (A100 80GB)": 80 * GiB, "80 GiB (H100 SXM)": 80 * GiB,
+                              "141 GiB (H200 SXM)": 141 * GiB}
 
 
 # ---- 04 · TP speed ----------------------------------------------------------------------------------------
@@ -214,25 +267,64 @@ def measured_rows():
 
 def test_tp_speed_explorer_shows_measured_rows_without_running_them_again(drawn, capsys, monkeypatch):
     measured = []
-    monkeypatch.setattr(explorers, "measure_tp_speed", lambda hiddens, tp: measured.append((hiddens, tp)) or [
+    monkeypatch.setattr(live, "measure_tp_speed", lambda hiddens, tp: measured.append((hiddens, tp)) or [
         {"hidden": hiddens[0], "tp": tp, "one_rank_s": 0.010, "tp_s": 0.020, "comm_s": 0.012}])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})       # a 2-core laptop
     panel = explorers.tp_speed_explorer(measured_rows(), hiddens=(64, 128), tps=(2, 4))
     assert isinstance(panel, widgets.VBox) and values(panel.controls) == {"hidden": 64, "tp": 2}
     assert measured == [] and len(panel.rows) == 3
     assert drawn[-1].name == "tp_speed" and drawn[-1].kwargs["highlight"] == (64, 2)
-    assert "hidden 64: 1 rank 2.0 ms; TP=2 4.0 ms = 2.0 ms compute + 2.0 ms all-reduce → TP is 2.0× slower" in (
+    assert "hidden 64: 1 rank 2.0 ms; TP=2 4.0 ms = 2.0 ms compute + 2.0 ms all-reduce → TP: 2.0× slower" in (
         capsys.readouterr().out)
     panel.controls["hidden"].value = 128
     assert measured == [] and drawn[-1].kwargs["highlight"] == (128, 2)
-    assert "→ TP is 1.2× faster" in capsys.readouterr().out
+    assert "→ TP: 1.2× faster" in capsys.readouterr().out
     panel.controls["tp"].value = 4                                   # (128, 4) was not measured: measured now
     assert measured == [([128], 4)] and len(panel.rows) == 4 and drawn[-1].args[0] is panel.rows
     shown = capsys.readouterr().out
-    assert "measuring hidden 128 on 1 rank and on TP=4 ..." in shown
+    assert "measuring hidden 128 on 1 rank and on TP=4… (~1 s)" in shown    # 1 s + 6 × 8 ms × (128/64)²
     assert "(TP=4 here puts 4 ranks on 2 CPU cores" in shown
     panel.controls["hidden"].value = 64
     assert len(measured) == 1 and len(drawn) == 4
+
+
+def test_tp_speed_explorer_ends_showing_what_the_controls_say_when_they_move_during_a_measurement(
+        drawn, capsys, monkeypatch):
+    calls, running = [], []
+
+    def measure(hiddens, tp):        # a learner moves both controls while (256, 2) is being measured
+        assert not running and all(c.disabled for c in panel.controls.values())    # no re-entry; busy
+        running.append(True)
+        calls.append((hiddens[0], tp))
+        if len(calls) == 1:
+            panel.controls["hidden"].value, panel.controls["tp"].value = 128, 4      # (128, 4): not measured
+        running.pop()
+        return [{"hidden": hiddens[0], "tp": tp, "one_rank_s": 0.010, "tp_s": 0.020, "comm_s": 0.012}]
+    monkeypatch.setattr(live, "measure_tp_speed", measure)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))   # no note on sharing cores
+    panel = explorers.tp_speed_explorer(measured_rows(), hiddens=(64, 128, 256), tps=(2, 4))
+    capsys.readouterr()
+    panel.controls["hidden"].value = 256
+    assert calls == [(256, 2), (128, 4)]                             # the latest request measured after the first
+    assert values(panel.controls) == {"hidden": 128, "tp": 4} and drawn[-1].kwargs["highlight"] == (128, 4)
+    shown = capsys.readouterr().out
+    assert "measuring hidden 256 on 1 rank and on TP=2… (~" in shown
+    last_line = shown.rstrip().splitlines()[-1].split("\r")[-1]     # (after clear_output's "erase line")
+    assert last_line.startswith("hidden 128: 1 rank 10.0 ms; TP=4 20.0 ms")
+    assert not any(c.disabled for c in panel.controls.values())      # enabled again
+    assert panel.figures == [drawn[-1].figure]                       # the picture is the figure shown last
+
+
+def test_a_panel_is_re_enabled_and_usable_after_its_work_fails(drawn, monkeypatch):
+    def fail(hiddens, tp):
+        raise RuntimeError("a rank died")
+    monkeypatch.setattr(live, "measure_tp_speed", fail)
+    panel = explorers.tp_speed_explorer(measured_rows(), hiddens=(64, 128, 256), tps=(2, 4))
+    with pytest.raises(RuntimeError, match="a rank died"):           # in a kernel the output area shows it
+        panel.controls["hidden"].value = 256
+    assert not any(c.disabled for c in panel.controls.values())
+    panel.controls["hidden"].value = 128                             # measured already: drawn
+    assert drawn[-1].kwargs["highlight"] == (128, 2)
 
 
 @pytest.mark.ranks
@@ -256,7 +348,7 @@ def test_ddp_overlap_explorer_runs_each_setup_once_on_persistent_ranks(drawn, ca
         assert list(panel.runs) == [(1, "naive: no buckets")] and len(panel.runs[1, "naive: no buckets"]) == 1
         assert [d.name for d in drawn] == ["step_time_split", "ddp_timeline"]
         assert list(drawn[0].args[0]) == ["naive: no buckets"] and drawn[0].kwargs["highlight"] == "naive: no buckets"
-        assert "running 2 steps on 1 ranks..." in capsys.readouterr().out
+        assert "starting 1 rank, then running 2 steps on 1 rank…" in capsys.readouterr().out
 
         panel.controls["bucket"].value = "64 KiB"
         assert list(panel.runs) == [(1, "naive: no buckets"), (1, "64 KiB")]
@@ -266,8 +358,12 @@ def test_ddp_overlap_explorer_runs_each_setup_once_on_persistent_ranks(drawn, ca
         assert list(drawn[-2].args[0]) == ["64 KiB"]                     # only the setups run on 2 ranks
         panel.controls["ranks"].value = 1                                # cached: redrawn without running
         assert len(panel.runs) == 3 and len(drawn) == 8
+        assert not any(c.disabled for c in panel.controls.values())
+        assert panel.figures == [d.figure for d in drawn[-2:]]           # the step-time split is pictured
+        assert_says_what_it_is(panel, panel._repr_mimebundle_())
     finally:
-        panel.stop_ranks()
+        assert panel.stop_ranks() is None
+    assert capsys.readouterr().out.endswith("stopped the explorer's 3 ranks\n")     # 1 + 2
 
 
 # ---- 05 · pipeline (ranks) --------------------------------------------------------------------------------
@@ -285,6 +381,7 @@ def test_pipeline_explorer_measures_each_setting_once_beside_the_formula(drawn, 
         assert drawing.kwargs["title"].startswith("1f1b, p = 2, m = 1: measured bubble")
         shown = capsys.readouterr().out
         assert "formula          50.0%   (p-1)/(m+p-1) = 1/2\n" in shown and "per stage: [1, 1]" in shown
+        assert "starting 2 ranks, then running 1 micro-batch through 2 stages, 1f1b… (~1 s)" in shown
 
         panel.controls["microbatches"].value = 2
         panel.controls["schedule"].value = "gpipe"
@@ -296,5 +393,76 @@ def test_pipeline_explorer_measures_each_setting_once_beside_the_formula(drawn, 
         panel.controls["cost"].value = 1.0
         panel.controls["schedule"].value = "1f1b"                        # both cached: redrawn without running
         assert len(panel.runs) == 4 and len(drawn) == 6
+        assert not any(c.disabled for c in panel.controls.values())
+        assert_says_what_it_is(panel, panel._repr_mimebundle_())
     finally:
-        panel.stop_ranks()
+        assert panel.stop_ranks() is None
+
+
+# ---- what every panel shares ------------------------------------------------------------------------------
+
+def fake_measure(hiddens, tp):
+    return [{"hidden": hiddens[0], "tp": tp, "one_rank_s": 0.010, "tp_s": 0.020, "comm_s": 0.012}]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: explorers.learning_rate_explorer(steps=2),
+    lambda: explorers.memory_explorer(),
+    lambda: explorers.zero_explorer(),
+    lambda: explorers.plan_explorer(),
+    lambda: explorers.tp_speed_explorer(hiddens=(64,), tps=(2,)),
+], ids=["learning_rate", "memory", "zero", "plan", "tp_speed"])
+def test_a_panel_without_a_live_kernel_shows_a_sentence_and_its_figure_not_a_widget_repr(build, drawn, monkeypatch):
+    monkeypatch.setattr(live, "measure_tp_speed", fake_measure)
+    panel = build()
+    bundle = panel._repr_mimebundle_()                               # what a notebook saves for the cell
+    assert_says_what_it_is(panel, bundle)
+    assert panel.figures == [drawn[-1].figure]
+
+
+def assert_says_what_it_is(panel, bundle):
+    """text/plain: a sentence, not "VBox(children=(..."; text/html: the sentence over a PNG of the first figure;
+    the widget view still there, for a live kernel."""
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == panel.model_id
+    sentence = bundle["text/plain"]
+    assert sentence == f"▶ Run this cell to explore: {panel.what}" and len(panel.what) > 40
+    assert "Box" not in sentence and "children=" not in sentence
+    head, png = bundle["text/html"].split('<img src="data:image/png;base64,')
+    assert head == f"<p><b>{html.escape(sentence, quote=False)}</b></p>"
+    assert base64.b64decode(png.split('"')[0])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_numbers_and_counts_read_as_words():
+    assert [plural(1, "rank"), plural(2, "rank"), plural(1, "GPU"), plural(1024, "GPU")] == [
+        "1 rank", "2 ranks", "1 GPU", "1,024 GPUs"]
+    assert plural(4, "micro-batch", "micro-batches") == "4 micro-batches"
+    assert [format_bytes(b) for b in (0, 1000, 1536, 5 * 2**20, 24.1 * GiB, 3 * 2**40)] == [
+        "0 bytes", "1,000 bytes", "1.5 KiB", "5.0 MiB", "24.1 GiB", "3.0 TiB"]
+
+
+def test_the_zero_explorer_prints_the_tiny_model_in_units_that_show_it(drawn, capsys):
+    panel = explorers.zero_explorer(model="tiny", stage=3, ranks=2)
+    shown = capsys.readouterr().out
+    state = panel.memory["ZeRO-3"]["total"]
+    assert 2**20 < state < 2**30 and "0.0 GiB" not in shown
+    assert f"ZeRO-3 on 2 ranks: {state / 2**20:,.1f} MiB of training state per rank (fits" in shown
+    panel.controls["ranks"].value = 1
+    assert "ZeRO-3 on 1 rank: " in capsys.readouterr().out and drawn[-1].title.endswith("1 rank, mixed")
+
+
+def test_the_memory_explorer_says_by_how_much_a_model_is_over_the_card(drawn, capsys):
+    explorers.memory_explorer(model="1B (TinyLlama-1.1B)", seq_len=4096, gpu="24 GiB (RTX 4090)")
+    shown = capsys.readouterr().out
+    assert "× the card" not in shown and "GiB over the card" in shown
+
+
+def test_stop_ranks_closes_every_group_and_says_so_without_returning_a_value(capsys):
+    class Group:
+        closed = 0
+
+        def close(self):
+            Group.closed += 1
+    stop_ranks = live._stopper({2: Group(), 3: Group()})
+    assert stop_ranks() is None and Group.closed == 2                # nothing for a cell to echo, like [None]
+    assert stop_ranks() is None and Group.closed == 2
+    assert capsys.readouterr().out == "stopped the explorer's 5 ranks\nthe explorer had no ranks running\n"

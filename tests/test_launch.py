@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,9 @@ import torch.distributed as dist
 
 from conftest import REPO, gone, run_cell, wait_for_pids
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
+from course_lib.launch import GroupNotFormed
+from course_lib.tracebacks import WaitLine
+from course_lib.workers import check_world_fits, max_local_ranks
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -108,7 +112,7 @@ def test_a_hung_rank_is_stopped_by_the_timeout_with_where_it_was():
         launch(skip_collective_on_one, 3, timeout=1.5)
     assert time.monotonic() - start < 15    # 1.5 s, then the stacks; not the default 120 s
     assert info.value.ranks == [0, 2]
-    assert "ranks [0, 2] did not finish within 1.5 s" in str(info.value)
+    assert str(info.value).startswith("ranks [0, 2] did not finish within 1.5 s (a collective")
     for r in (0, 2):
         assert "in all_reduce" in info.value.stacks[r] and "skip_collective_on_one" in info.value.stacks[r]
 
@@ -131,6 +135,69 @@ def test_an_unpicklable_result_is_an_error_naming_the_rank():
 def test_bad_world_size_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=f"world_size={bad!r}"):
         launch(rank_sum, bad)
+
+
+def test_the_most_ranks_a_machine_runs_is_the_least_of_its_cores_memory_and_a_cap():
+    GiB = 2**30
+    assert max_local_ranks(cpus=2, memory_bytes=8 * GiB) == 16        # 8 per core
+    assert max_local_ranks(cpus=16, memory_bytes=2 * GiB) == 8        # 250 MiB each: 2048 // 250 = 8
+    assert max_local_ranks(cpus=64, memory_bytes=1024 * GiB) == 128   # the cap
+    assert max_local_ranks(cpus=1, memory_bytes=100 * 2**20) == 1     # one rank always fits
+
+
+def test_a_world_far_beyond_the_machine_is_refused_with_the_rule_and_what_the_machine_has():
+    with pytest.raises(ValueError) as info:
+        check_world_fits(17, cpus=2, memory_bytes=8 * 2**30)
+    assert str(info.value) == (
+        "world_size=17 is more than this machine can run: it has 2 CPU cores and 8.0 GiB of memory, enough for "
+        "16 ranks (the least of 8 ranks per core: 16; one rank per 250 MiB: 32; and 128). A larger world runs "
+        "under torchrun, across machines; any one rank of it runs here on a fake group (course_lib.virtual).")
+    check_world_fits(16, cpus=2, memory_bytes=8 * 2**30)   # the limit itself is allowed
+
+
+def test_launch_refuses_a_world_far_beyond_this_machine_before_starting_anything():
+    cores = len(os.sched_getaffinity(0))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"world_size=1000 is more than this machine can run: it has {cores} CPU "
+                                         r"cores and [\d.]+ GiB of memory, enough for \d+ ranks"):
+        launch(rank_sum, 1000)
+    assert time.monotonic() - start < 1   # refused at once: not one process was started
+
+
+class RankOneAstray(WorkerGroup):
+    """Rank 1 looks for the rendezvous on a port where nobody listens, so it never joins."""
+    nobody_listens_here = 0          # set by the test
+    started: list[int] = []          # the process ids, to check that none is left
+
+    def _start_rank(self, ctx, rank, store_port, *args):
+        super()._start_rank(ctx, rank, self.nobody_listens_here if rank == 1 else store_port, *args)
+        self.started.append(self.procs[-1].pid)
+
+
+def test_a_group_that_does_not_form_is_reported_as_that_with_the_ranks_that_never_joined(capsys):
+    with socket.socket() as bound_only:   # bound, never listening: a connection to it is refused
+        bound_only.bind(("127.0.0.1", 0))
+        RankOneAstray.nobody_listens_here = bound_only.getsockname()[1]
+        with pytest.raises(GroupNotFormed) as info:
+            RankOneAstray(3, form_timeout=3)
+    assert str(info.value) == ("the process group did not form within 3 s: ranks [1] never joined (ranks [0, 2] "
+                               "waited for them in init_process_group); every rank process was stopped")
+    assert info.value.never_joined == [1] and info.value.waited == [0, 2]
+    assert len(RankOneAstray.started) == 3 and gone(RankOneAstray.started)
+    out = capsys.readouterr().out   # the wait was visible: one line, rewritten in place, then ended
+    assert "\rforming the process group: 2 of 3 ranks arrived (" in out and out.endswith("\n")
+
+
+def test_a_wait_line_is_silent_when_short_and_rewritten_in_place_when_long(capsys):
+    quick = WaitLine(after=60)
+    quick.show("waiting")
+    quick.end("done")
+    assert capsys.readouterr().out == ""
+    slow = WaitLine(after=0)
+    slow.show("forming the process group: 1 of 2 ranks arrived")
+    slow.end("formed")
+    first = "forming the process group: 1 of 2 ranks arrived (0 s)"
+    assert capsys.readouterr().out == "\r" + first + "\r" + "formed (0 s)".ljust(len(first)) + "\n"
 
 
 def test_bad_backend_is_refused_by_name():
@@ -215,7 +282,10 @@ def test_jupyter_stop_button_stops_every_rank_and_the_kernel_stays_usable(kernel
     pids = wait_for_pids(kc, msg_id, 3)
     assert len(pids) == 3
     km.interrupt_kernel()  # what the stop button does: SIGINT to the kernel's process group
-    assert run_cell(kc, None, msg_id=msg_id)[1] == "KeyboardInterrupt"
+    text, ename = run_cell(kc, None, msg_id=msg_id)
+    # One line that says what happened, none of the launcher's frames (workers.py, selectors, ...):
+    assert ename == "Interrupted" and "KeyboardInterrupt: launch() was interrupted: its 3 ranks were stopped" in text
+    assert not any(word in text for word in ("Traceback", "workers.py", "selectors", "launch.py")), text
     assert gone(pids), "workers survived an interrupt"
     out, ename = run_cell(kc, "print(launch(lambda rank, world_size: rank, 2))")
     assert ename is None and "[0, 1]" in out

@@ -23,6 +23,7 @@ PUBLISHED_COUNTS = {
     "llama2-7b": 6_738_415_616,
     "llama2-70b": 68_976_648_192,
     "qwen2-7b": 7_615_616_512,
+    "mixtral-8x7b": 46_702_792_704,   # 8 experts a layer, every one counted (12.9e9 of them active per token)
 }
 
 
@@ -151,6 +152,7 @@ def test_preset_overrides_and_unknown_names():
     (dict(hidden=24, num_heads=8), "head_dim = hidden/num_heads = 24/8 = 3 is odd"),
     (dict(num_layers=0), "num_layers=0 must be a positive integer"),
     (dict(vocab_size=-5), "vocab_size=-5 must be a positive integer"),
+    (dict(num_experts=4, top_k=5), "num_experts=4 must be >= 0 \\(0: a dense MLP\\) and top_k=5 between 1 and"),
 ])
 def test_config_errors_name_the_values(overrides, message):
     with pytest.raises(ValueError, match=message):

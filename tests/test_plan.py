@@ -1,55 +1,90 @@
 """course_lib.plan: the three questions (does the state fit, does one layer fit, where are the node
-boundaries) give the source's layouts, keep the rules on many clusters, and warn of the bad smells."""
+boundaries) give the source's layouts; questions 4 and 5 (activations and the reserve; the fastest recipe)
+decide what fits, and the virtual cluster holds what the planner said."""
 
 import itertools
 
 import pytest
 
+from course_lib.layouts import RECIPES, Workload, memory_per_gpu, need_per_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import ModelConfig, preset
-from course_lib.plan import bad_smells, need_per_gpu, plan
+from course_lib.plan import bad_smells, plan
 from course_lib.units import GB, GiB
-
-
-def test_the_plan_for_the_sources_cases():
-    small = plan(preset("tiny"), num_gpus=8, gpu_bytes=24 * GiB)   # fits on one card, training is just slow
-    assert (small.mesh, small.zero_stage) == (Mesh(dp=8), 0)
-    seven = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GiB)
-    assert (seven.mesh, seven.zero_stage) == (Mesh(dp=8), 1)   # DDP 100 GiB does not fit, ZeRO-1 does
-    seventy = plan(preset("llama2-70b"), num_gpus=8, gpu_bytes=80 * GiB)
-    assert not seventy.fits and seventy.min_gpus == 13      # 16 B × 68.98e9 / 80 GiB = 12.8
-    assert 125 * GiB < seventy.state_bytes < 135 * GiB       # ZeRO-3 on 8 cards: ~130 GiB per card
-    many = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB)
-    assert (many.mesh, many.zero_stage) == (Mesh(dp=2, tp=8, pp=2), 1)   # TP in the node, PP across, ZeRO-1
-    assert many.fits and "each node holds one TP group" in str(many) and "PP=2 crosses nodes" in str(many)
-
 
 HUGE_LAYERS = ModelConfig(vocab_size=32000, hidden=16384, num_layers=4, num_heads=128, num_kv_heads=16,
                           intermediate=65536, max_seq_len=4096)   # one layer's weights + grads: 14.3 GiB
 
 
-def test_a_layer_too_big_for_one_gpu_is_split_with_tp():
-    layout = plan(HUGE_LAYERS, num_gpus=8, gpu_bytes=40 * GiB)   # ZeRO-3 shards 30.5 GiB + a whole layer 14.3
-    assert "14.3 GiB, beside 30.5 GiB of shards > 40.0 GiB: TP=2 inside a node" in layout.answers[1]
-    assert layout.fits and (layout.mesh, layout.zero_stage) == (Mesh(dp=4, tp=2), 3)
-    assert layout.state_bytes <= 40 * GiB
+def test_the_three_questions_give_the_sources_layouts():
+    small = plan(preset("tiny"), num_gpus=8, gpu_bytes=24 * GiB, workload=Workload(global_batch_size=64))
+    assert small.source == (Mesh(dp=8), 0) and (small.mesh, small.zero_stage) == (Mesh(dp=8), 0)   # DDP
+    seven = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GiB)
+    assert seven.source == (Mesh(dp=8), 1)               # DDP 100 GiB does not fit, ZeRO-1 does
+    seventy = plan(preset("llama2-70b"), num_gpus=8, gpu_bytes=80 * GiB)
+    assert not seventy.fits and seventy.min_gpus == 13   # 16 B × 68.98e9 / 80 GiB = 12.8
+    assert 125 * GiB < seventy.state_bytes < 135 * GiB    # ZeRO-3 on 8 cards: ~130 GiB per card
+    many = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB)
+    assert many.source == (Mesh(dp=2, tp=8, pp=2), 1)    # TP in the node, PP across, ZeRO-1
+    assert "each node holds one TP group" in str(many) and "PP=2 crosses nodes" in str(many)
+    huge = plan(HUGE_LAYERS, num_gpus=8, gpu_bytes=40 * GiB)
+    assert "14.3 GiB, beside 30.5 GiB of shards > 40.0 GiB: TP=2 inside a node" in huge.answers[1]
+    assert huge.source == (Mesh(dp=4, tp=2), 3)
+
+
+def test_a_layout_fits_only_with_its_activations_and_the_reserve():
+    """The issue's case: 70B on 32 × 80 GiB. The source's layout holds 42.3 GiB of state, but with 4,096-token
+    sequences and no sequence parallelism stage 0 keeps 2 micro-batches of 40 layers in flight: it does not fit.
+    Sequence parallelism divides those activations by TP, and the same layout fits."""
+    no_sp = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB)
+    assert not no_sp.fits and "it does NOT fit" in no_sp.answers[3] and "no recipe fits" in no_sp.answers[4]
+    source = memory_per_gpu(preset("llama2-70b"), Mesh(dp=2, tp=8, pp=2), 1, Workload(), gpu_bytes=80 * GiB)
+    assert 42 * GiB < source["state"] < 43 * GiB and source["activations"] > 40 * GiB
+    assert source["reserve"] == 8 * GiB and source["total"] == sum(v for k, v in source.items() if k != "total")
+    sp = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB, workload=Workload(sequence_parallel=True))
+    assert sp.fits and (sp.mesh, sp.zero_stage) == (Mesh(dp=2, tp=8, pp=2), 1) and sp.num_microbatches == 512
+    assert sp.memory["total"] <= 80 * GiB and sp.memory["activations"] < source["activations"] / 2
+    assert 0.3 < sp.time.mfu < 0.7
+
+
+def test_the_recipes_are_compared_and_the_fastest_that_fits_wins():
+    chosen = plan(preset("llama2-7b"), num_gpus=8, gpu_bytes=80 * GiB)
+    assert {c.recipe for c in chosen.candidates} == set(RECIPES)
+    fitting = [c for c in chosen.candidates if c.fits]
+    assert chosen.fits and chosen.time is fitting[0].time
+    assert all(c.time.tokens_per_s <= chosen.time.tokens_per_s for c in fitting)
+    assert "fastest that fits: data parallel" in chosen.answers[4] and "× as fast" in chosen.answers[4]
+    # more dp at a fixed global batch: fewer micro-batches each
+    assert Workload(global_batch_size=1024).num_microbatches(8) == 128
+    assert Workload(global_batch_size=1024).num_microbatches(16) == 64
+    assert Workload(global_batch_size=1000, micro_batch_size=3).num_microbatches(8) is None
+
+
+def test_a_layer_too_big_for_one_gpu_fits_by_state_alone_but_not_with_activations():
+    layout = plan(HUGE_LAYERS, num_gpus=8, gpu_bytes=40 * GiB, workload=Workload(recompute="full"))
+    assert layout.source == (Mesh(dp=4, tp=2), 3) and need_per_gpu(HUGE_LAYERS, Mesh(dp=4, tp=2), 3) <= 40 * GiB
+    assert not layout.fits and "it does NOT fit" in layout.answers[3]
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama2-7b", "qwen2-7b", "llama2-70b"])
 def test_every_plan_keeps_the_rules(name):
-    """Over many clusters: a plan that fits needs no more than the card, TP divides the node and the heads,
-    a pipeline takes ZeRO-1 at most, and the grid covers every GPU."""
+    """Over many clusters: a plan that fits needs no more than the card with its activations and reserve, TP
+    divides the node and the heads, a pipeline takes ZeRO-1 at most, and the grid covers every GPU."""
+    config = preset(name)
+    workload = Workload(global_batch_size=512, seq_len=min(4096, config.max_seq_len), recompute="full")
     for num_gpus, per_node, card in itertools.product((4, 8, 16, 32, 64, 128), (4, 8), (13, 24, 40, 80)):
         if num_gpus % min(per_node, num_gpus):
             continue
-        layout = plan(preset(name), num_gpus=num_gpus, gpu_bytes=card * GiB, gpus_per_node=per_node)
+        layout = plan(config, num_gpus=num_gpus, gpu_bytes=card * GiB, gpus_per_node=per_node, workload=workload)
         if not layout.fits:
             continue
         mesh = layout.mesh
         assert mesh.size == num_gpus and min(per_node, num_gpus) % mesh.tp == 0
-        assert layout.state_bytes == need_per_gpu(preset(name), mesh, layout.zero_stage) <= card * GiB
+        memory = memory_per_gpu(config, mesh, layout.zero_stage, workload, gpu_bytes=card * GiB)
+        assert layout.memory == memory and memory["total"] <= card * GiB
         assert mesh.pp == 1 or layout.zero_stage <= 1
-        mesh.check_model(preset(name))
+        assert layout.num_microbatches * mesh.dp * workload.micro_batch_size == workload.global_batch_size
+        mesh.check_model(config)
 
 
 def test_bad_smells_and_bad_input():
@@ -61,3 +96,33 @@ def test_bad_smells_and_bad_input():
     assert bad_smells(Mesh(dp=2, tp=8, pp=2), gpus_per_node=8, num_microbatches=16) == []
     with pytest.raises(ValueError, match="num_gpus=12 must be a whole number of nodes of gpus_per_node=8"):
         plan(preset("tiny"), num_gpus=12, gpu_bytes=80 * GB)
+    with pytest.raises(ValueError, match="recompute='some': choose one of none, selective, full"):
+        Workload(recompute="some")
+
+
+SITUATIONS = [  # notebook 06's situations that fit, with a batch small enough to run virtually in seconds
+    (preset("tiny"), 8, 24, Workload(global_batch_size=16)),
+    (preset("llama2-7b"), 8, 80, Workload(global_batch_size=16)),
+    (preset("llama2-70b"), 32, 80, Workload(global_batch_size=32, sequence_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("config, num_gpus, card, workload", SITUATIONS, ids=["tiny", "llama2-7b", "llama2-70b"])
+def test_the_busiest_gpu_of_a_plan_run_virtually_holds_what_the_planner_said(config, num_gpus, card, workload):
+    """course_lib.virtual runs one rank of each stage through the course's own code (fake process group, meta
+    tensors): its measured state and activation peak are the planner's numbers, within ZeRO's padding (fewer
+    than dp parameters per unit), and they fit beside the reserve."""
+    from course_lib.virtual import run_rank
+    chosen = plan(config, num_gpus=num_gpus, gpu_bytes=card * GiB, workload=workload)
+    assert chosen.fits
+    mesh, seq_len = chosen.mesh, workload.seq_len or config.max_seq_len
+    ran = [run_rank(config, mesh, mesh.rank_of(pp=stage), seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
+                    num_microbatches=chosen.num_microbatches, zero_stage=chosen.zero_stage,
+                    recompute=workload.recompute, sequence_parallel=workload.sequence_parallel)
+           for stage in range(mesh.pp)]
+    busiest = max(ran, key=lambda r: r["state_bytes"]["total"] + r["activation_bytes_peak"])
+    padding = 16 * mesh.dp * (config.num_layers + 3)   # < dp parameters per unit, 16 bytes each
+    assert 0 <= busiest["state_bytes"]["total"] - chosen.memory["state"] <= padding
+    assert busiest["activation_bytes_peak"] == chosen.memory["activations"]
+    held = busiest["state_bytes"]["total"] + busiest["activation_bytes_peak"]
+    assert held + chosen.memory["reserve"] <= card * GiB

@@ -19,6 +19,7 @@ from course_lib import plots
 from course_lib.ledger import zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.pipeline_parallel import simulate
+from course_lib.plots.readable import amount, byte_unit, keep_texts_inside, plural, unit_label
 from course_lib.runs.ddp import phase_seconds
 from course_lib.zero import wire_bytes_per_step
 
@@ -41,6 +42,27 @@ def texts(ax) -> list[str]:
 def bars(ax) -> list[Rectangle]:
     """The bars of ``ax`` (bar/barh rectangles; legend handles are not in ax.patches)."""
     return [p for p in ax.patches if isinstance(p, Rectangle)]
+
+
+def spilled(ax) -> list[str]:
+    """The texts drawn in ``ax`` that reach outside its frame (in display pixels, after drawing)."""
+    ax.figure.canvas.draw()
+    frame = ax.get_window_extent()
+    outside = []
+    for text in ax.texts:
+        box = text.get_window_extent()
+        if box.x0 < frame.x0 - 0.5 or box.x1 > frame.x1 + 0.5 or box.y0 < frame.y0 - 0.5 or box.y1 > frame.y1 + 0.5:
+            outside.append(text.get_text())
+    return outside
+
+
+def outside_figure(fig) -> list[str]:
+    """Titles of ``fig`` (its own and its axes') that reach outside the figure."""
+    fig.canvas.draw()
+    titles = [fig._suptitle] if fig._suptitle is not None else []
+    titles += [t for ax in fig.axes for t in (ax.title, ax._left_title) if t.get_text()]
+    return [t.get_text() for t in titles if t.get_window_extent().x0 < -0.5
+            or t.get_window_extent().x1 > fig.bbox.width + 0.5]
 
 
 def lines_at(ax, *, x=None, y=None) -> list[Line2D]:
@@ -67,15 +89,34 @@ def test_loss_curves_draw_one_line_per_curve_the_highlight_bold_and_the_guessing
     assert drawn["lr=0.01"].get_linewidth() > drawn["lr=0.1"].get_linewidth() == drawn["lr=0.001"].get_linewidth()
     assert list(drawn["lr=0.1"].get_ydata()) == curves["lr=0.1"]
     assert len(lines_at(ax, y=math.log(128))) == 1 and len(lines_at(ax, y=0.5)) == 1
-    assert "guessing: ln 128 = 4.85" in texts(ax)
+    assert "guessing: ln 128 = 4.85" in texts(ax) and spilled(ax) == []
     assert ax.get_title() == "tiny model, 4 steps" and ax.get_ylim()[0] == 0
     assert [t.get_text() for t in ax.get_legend().get_texts()] == list(curves)
+
+
+def test_loss_curves_give_every_explored_curve_its_own_colour_and_none_the_guides_colours():
+    curves = {f"lr={lr:g}": [4.8, 4.0 - k * 0.1] for k, lr in enumerate((1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))}
+    fig = plots.loss_curves(curves, highlight="lr=0.01", vocab_size=128)
+    ax = fig.axes[0]
+    drawn = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    colors = [matplotlib.colors.to_hex(line.get_color()) for line in drawn]
+    assert len(set(colors)) == len(curves) == 8                          # none grey-on-grey: each its own
+    guides = {matplotlib.colors.to_hex(c) for c in ("tab:red", "tab:green")}   # the guessing line, the floor
+    assert guides.isdisjoint(colors)
+    widths = {line.get_label(): line.get_linewidth() for line in drawn}
+    assert widths.pop("lr=0.01") > max(widths.values())                 # the highlight still stands out
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == list(curves)
+    assert [matplotlib.colors.to_hex(h.get_color()) for h in legend.legend_handles] == colors
+    # the same curve keeps its colour when more are explored
+    first_two = plots.loss_curves(dict(list(curves.items())[:2])).axes[0].get_lines()[:2]
+    assert [matplotlib.colors.to_hex(line.get_color()) for line in first_two] == colors[:2]
 
 
 def test_loss_curves_without_a_highlight_draw_every_curve_bold_and_no_guides():
     fig = plots.loss_curves({"a": [2.0, 1.0], "b": [3.0, 2.0]})
     ax = fig.axes[0]
-    assert [line.get_linewidth() for line in ax.get_lines()] == [2.2, 2.2]
+    assert [line.get_linewidth() for line in ax.get_lines()] == [2.4, 2.4]
     assert texts(ax) == [] and ax.get_title() == "training loss"
 
 
@@ -88,13 +129,35 @@ def test_memory_bars_stack_each_part_and_mark_the_card():
     ax = fig.axes[0]
     assert len(bars(ax)) == 4 * 3                    # weights, grads, optimizer per row; "total" is not a part
     assert [t.get_text() for t in ax.get_yticklabels()] == list(rows)[::-1]          # the first row on top
-    assert len(lines_at(ax, x=card / GIB)) == 1 and "80 GiB card " in texts(ax)
+    assert len(lines_at(ax, x=card / GIB)) == 1 and "80 GiB card" in texts(ax)
     totals = {t.get_text(): t.get_color() for t in ax.texts if t.get_text().endswith(" GiB")}
     assert totals == {f"{row['total'] / GIB:,.1f} GiB": "black" if row["total"] <= card else "tab:red"
                       for row in rows.values()}
     assert list(totals.values()).count("tab:red") == 1              # 105.8 GiB: DDP does not fit, ZeRO does
     assert ax.get_title() == "7.1B on 8 cards" and ax.get_xlim()[1] > 105.8
+    assert ax.get_xlabel() == "GiB (2**30 bytes)"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["weights", "grads", "optimizer"]
+
+
+def test_memory_bars_name_the_card_inside_the_frame_above_the_bars():
+    rows = {"course model": {"weights": 2 * GIB, "grads": 2 * GIB, "optimizer": 12 * GIB, "activations": 8.1 * GIB},
+            "GPT-3 formula": {"weights": 2 * GIB, "grads": 2 * GIB, "optimizer": 12 * GIB, "activations": 30 * GIB}}
+    for card, label in ((80 * GIB, "80 GiB card"), (24 * GIB, "24 GiB (RTX 4090)")):   # line right, line left
+        ax = plots.memory_bars(rows, capacity_bytes=card, capacity_label=label).axes[0]
+        (name,) = [t for t in ax.texts if t.get_text() == label]
+        assert spilled(ax) == [] and name.get_fontsize() >= 8
+        top_bar = max(b.get_y() + b.get_height() for b in bars(ax))
+        assert name.get_window_extent().y0 >= ax.transData.transform((0, top_bar))[1]   # over no bar
+
+
+def test_memory_bars_pick_the_unit_from_the_data_and_name_a_far_card_in_words():
+    tiny = {"tiny model": {"weights": 657_664, "grads": 657_664, "optimizer": 1_315_328}}
+    ax = plots.memory_bars(tiny, capacity_bytes=80 * GIB, capacity_label="80 GiB (A100 80GB)").axes[0]
+    assert ax.get_xlabel() == "MiB (2**20 bytes)" and "2.5 MiB" in texts(ax)
+    assert lines_at(ax, x=80 * 1024) == [] and ax.get_xlim()[1] < 4          # the bars keep their size
+    assert "80 GiB (A100 80GB): far to the right, everything fits" in texts(ax) and spilled(ax) == []
+    ax = plots.memory_bars(tiny, capacity_bytes=80 * GIB, capacity_label="the card").axes[0]
+    assert "the card (80.0 GiB): far to the right, everything fits" in texts(ax)
 
 
 def test_memory_bars_without_a_card_draw_no_capacity_line_and_every_total_in_black():
@@ -186,9 +249,37 @@ def test_tp_speed_draws_one_rank_and_each_tp_degree_with_ratios():
     assert list(one_rank.get_xdata()) == [64, 128] and list(one_rank.get_ydata()) == [2.0, 10.0]  # the fastest
     assert len(lines_at(ax, x=128)) == 1                                                           # the highlight
     ratios = {t.get_text(): t.get_color() for t in ax.texts}
-    assert ratios == {"2.0×": "tab:red", "0.8×": "tab:green", "3.0×": "tab:red", "1.1×": "tab:red"}
+    assert ratios == {"2.0× slower": "tab:red", "1.2× faster": "tab:green", "3.0× slower": "tab:red",
+                      "1.1× slower": "tab:red"}
     assert ax.get_title() == "TP on this CPU" and ax.get_xscale() == ax.get_yscale() == "log"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "128"]
+
+
+@pytest.mark.parametrize(("tp_s", "one_rank_s", "words"), [(0.0101, 0.0100, "same speed"), (0.0096, 0.0100, "same speed"),
+                                                           (0.0106, 0.0100, "1.1× slower"), (0.0050, 0.0100, "2.0× faster")])
+def test_tp_speed_says_same_speed_when_the_ratio_rounds_to_one(tp_s, one_rank_s, words):
+    row = {"hidden": 256, "tp": 2, "one_rank_s": one_rank_s, "tp_s": tp_s, "comm_s": 0.001}
+    assert texts(plots.tp_speed([row]).axes[0]) == [words]
+
+
+def test_speed_words_name_the_faster_side_and_say_same_speed_near_one():
+    assert plots.speed_words(0.0124, 0.0053) == ("2.3× slower", "tab:red")
+    assert plots.speed_words(0.0785, 0.1231) == ("1.6× faster", "tab:green")
+    assert plots.speed_words(0.0330, 0.0320)[0] == plots.speed_words(0.0320, 0.0330)[0] == "same speed"
+
+
+def test_tp_speed_words_are_readable_inside_the_frame_and_over_the_lines():
+    rows = tp_rows() + [{"hidden": 1024, "tp": 2, "one_rank_s": 0.40, "tp_s": 0.41, "comm_s": 0.03}]
+    ax = plots.tp_speed(rows).axes[0]
+    assert spilled(ax) == []                                    # the first and last points' words included
+    for text in ax.texts:
+        assert text.get_fontsize() >= 8
+        assert text.get_zorder() > max(line.get_zorder() for line in ax.get_lines())     # drawn over every line
+        assert text.get_bbox_patch().get_facecolor()[:3] == (1.0, 1.0, 1.0)             # on a white card
+        point_y = ax.transData.transform(text.xy)[1]
+        box = text.get_window_extent()
+        faster = text.get_text().endswith("faster")     # below a faster point, above a slower one (or the same:
+        assert (box.y1 < point_y) if faster else (box.y0 > point_y)           # 0.41 s against 0.40 s here)
 
 
 # ---- 02 · data parallelism ----------------------------------------------------------------------------
@@ -228,6 +319,19 @@ def test_ring_all_reduce_steps_draws_a_grid_per_step_and_outlines_what_arrived()
     assert texts(fig.axes[steps - 1]) == ["Σ"] * p * p          # the end: every chunk holds every rank's data
     assert texts(fig.axes[2]).count("Σ") == p                  # after the reduce-scatter: one full chunk per rank
     assert "the 3 chunks" in fig._suptitle.get_text()
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_ring_all_reduce_labels_fit_in_their_cells_and_the_title_in_the_figure(p):
+    fig = plots.ring_all_reduce_steps(ring_snapshots(p))
+    fig.canvas.draw()
+    for ax in fig.axes[:1 + 2 * (p - 1)]:
+        cells = [patch for patch in ax.patches if patch.get_fill()]
+        for text, cell in zip(ax.texts, cells):                    # one label per cell, drawn in the same order
+            box, room = text.get_window_extent(), cell.get_window_extent()
+            assert room.x0 < box.x0 and box.x1 < room.x1 and room.y0 < box.y0 and box.y1 < room.y1, text.get_text()
+        assert min(t.get_fontsize() for t in ax.texts) >= 7
+    assert outside_figure(fig) == []
 
 
 def test_replica_drift_draws_one_line_per_setup_from_step_one():
@@ -270,10 +374,42 @@ def test_ddp_timeline_draws_three_phases_and_each_all_reduce_per_rank():
     assert len(bars(ax)) == 2 * 3 + 2                   # compute, exposed, optimizer per rank; rank 0's buckets
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     assert min(b.get_x() for b in bars(ax)) == 0.0       # ms from the first rank's start
-    assert min(b.get_width() for b in bars(ax)) == pytest.approx(0.02)     # an unfinished one still shows
+    orange = [b for b in bars(ax) if matplotlib.colors.to_hex(b.get_facecolor()) == matplotlib.colors.to_hex("tab:orange")]
+    assert [b.get_x() for b in orange] == pytest.approx([4.0, 8.0])
+    assert orange[0].get_width() == pytest.approx(2.0) and orange[1].get_width() > 0   # an unfinished one still shows
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["compute", "exposed communication", "optimizer", "all-reduce of one bucket (issued → done)"]
     assert ax.get_title() == "step 1"
+
+
+def test_pack_rows_shares_a_row_between_all_reduces_that_follow_each_other():
+    from course_lib.plots.ddp import pack_rows
+    assert pack_rows([(0, 1), (1, 2), (2, 3)]) == [0, 0, 0]          # one after the other: one row
+    assert pack_rows([(0, 5), (1, 2), (3, 4), (4.5, 6)]) == [0, 1, 1, 1]
+    assert pack_rows([(0, 5), (1, 6), (2, 7)]) == [0, 1, 2]          # all in flight at once: a row each
+    assert pack_rows([]) == []
+
+
+def many_buckets(start: float, count: int, *, each: float, spacing: float) -> list[dict]:
+    """``count`` all-reduces issued ``spacing`` s apart, each taking ``each`` s (overlapping when each > spacing)."""
+    return [{"bucket": i, "bytes": 256, "issued": start + i * spacing, "done": start + i * spacing + each}
+            for i in range(count)]
+
+
+@pytest.mark.parametrize(("each", "spacing"), [(0.0002, 0.0003), (0.008, 0.0002)])   # naive in a row; queued
+def test_ddp_timeline_draws_every_bar_at_least_a_few_pixels_wide_and_tall(each, spacing):
+    steps_by_rank = [step_record(0.0, 0.015, 0.012, 0.0001, many_buckets(0.008, 39, each=each, spacing=spacing))
+                     for _ in range(4)]
+    fig = plots.ddp_timeline(steps_by_rank, title="step 3 of 25 MiB (torch's default): compute and all-reduces on "
+                                                  "every rank")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert len(bars(ax)) == 4 * (3 + 39)
+    for bar in bars(ax):
+        box = bar.get_window_extent()
+        assert box.width >= 3.9 and box.height >= 3.5           # no 1-pixel lines: the optimizer's 0.1 ms too
+    assert outside_figure(fig) == []                             # the long title wraps to the axes' width
+    assert ax.title.get_window_extent().x1 <= ax.get_window_extent().x1 + 1
 
 
 def test_bubble_curves_draw_the_formula_and_the_measured_dots_for_each_depth():
@@ -292,33 +428,69 @@ def test_bubble_curves_draw_the_formula_and_the_measured_dots_for_each_depth():
 
 def test_zero_per_rank_bars_draw_a_panel_per_ranks_and_stage_with_the_formula():
     params = 1000
-    measured = {n: {s: [zero_state_bytes(params, s, n) for _ in range(n)] for s in range(4)} for n in (2, 4)}
-    predicted = {n: {s: zero_state_bytes(params, s, n)["total"] for s in range(4)} for n in (2, 4)}
+    measured = {n: {s: [zero_state_bytes(params, s, n) for _ in range(n)] for s in range(4)} for n in (1, 4)}
+    predicted = {n: {s: zero_state_bytes(params, s, n)["total"] for s in range(4)} for n in (1, 4)}
     fig = plots.zero_per_rank_bars(measured, predicted, unit=("B", 1), title="tiny")
     assert len(fig.axes) == 2 * 4
-    for ax, (n, s) in zip(fig.axes, [(n, s) for n in (2, 4) for s in range(4)]):
-        assert ax.get_title() == f"{NAMES[s]}, {n} ranks"
+    for ax, (n, s) in zip(fig.axes, [(n, s) for n in (1, 4) for s in range(4)]):
+        assert ax.get_title() == f"{NAMES[s]}, {n} rank" + ("s" if n > 1 else "")      # "1 rank", "4 ranks"
         assert len(bars(ax)) == 3 * n and len(lines_at(ax, y=predicted[n][s])) == 1
         assert max(b.get_y() + b.get_height() for b in bars(ax)) == pytest.approx(predicted[n][s])
         assert [t.get_text() for t in ax.get_xticklabels()] == [f"r{r}" for r in range(n)]
+        assert spilled(ax) == []                                  # "formula …" stays under the frame's top
     assert fig.axes[0].get_ylabel() == "B per rank" and fig._suptitle.get_text() == "tiny"
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["weights", "grads", "optimizer"]
 
 
-def test_zero_wire_bytes_stack_the_collectives_and_write_the_ratio_to_the_first():
-    grad_bytes = 4096
-    rows = {NAMES[s]: wire_bytes_per_step(grad_bytes, s, 4) for s in range(4)}
-    counted = {NAMES[0]: 6500, NAMES[1]: None, NAMES[2]: 6400, NAMES[3]: 9800}
-    fig = plots.zero_wire_bytes(rows, counted=counted, title="4 ranks")
+def notebook_03_wire():
+    """Notebook 03's 4-rank run: the traced bytes per op (the formula, op by op) and gloo's count per stage."""
+    grad_bytes = 328_832                                            # Ψ of the tiny model in bf16
+    traced = {NAMES[s]: wire_bytes_per_step(grad_bytes, s, 4) for s in range(4)}
+    counted = {NAMES[0]: 505_344, NAMES[1]: 758_016, NAMES[2]: 758_016, NAMES[3]: 1_010_688}
+    return traced, counted
+
+
+def written_ratios(ax) -> tuple[list[str], list[str]]:
+    """The ratios written on the bars and beside the diamonds, first row first."""
+    diamonds = {line.get_ydata()[0]: line.get_xdata()[0] for line in ax.get_lines() if line.get_marker() == "D"}
+    on_bars, beside_diamonds = {}, {}
+    for text in ax.texts:
+        x, y = text.xy
+        (beside_diamonds if diamonds.get(y) == x else on_bars)[y] = text.get_text()
+    return ([on_bars[y] for y in sorted(on_bars, reverse=True)],
+            [beside_diamonds[y] for y in sorted(beside_diamonds, reverse=True)])
+
+
+def test_zero_wire_bytes_write_each_ratio_on_the_quantity_it_is_the_ratio_of():
+    traced, counted = notebook_03_wire()
+    fig = plots.zero_wire_bytes(traced, counted=counted, title="4 ranks")
     ax = fig.axes[0]
     assert len(bars(ax)) == 1 + 2 + 2 + 2
-    assert [t.get_text() for t in ax.get_yticklabels()] == list(rows)[::-1]
-    assert sorted(texts(ax)) == sorted(["1.00×", "1.00×", "1.00×", "1.50×"])      # ZeRO-3 sends 1.5× DDP
-    assert len([line for line in ax.get_lines() if line.get_marker() == "D"]) == 3
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(traced)[::-1]
+    on_bars, beside_diamonds = written_ratios(ax)
+    traced_total = [sum(ops.values()) for ops in traced.values()]
+    assert on_bars == [f"{t / traced_total[0]:.2f}×" for t in traced_total] == ["1.00×", "1.00×", "1.00×", "1.50×"]
+    counts = list(counted.values())                                 # the table printed above the chart in 03
+    assert beside_diamonds == [f"{c / counts[0]:.2f}×" for c in counts] == ["1.00×", "1.50×", "1.50×", "2.00×"]
+    assert spilled(ax) == []
+    for text in ax.texts:                                           # a ratio on a bar lies on its bar's end
+        x, y = text.xy
+        if text.get_text() in on_bars and x not in {line.get_xdata()[0] for line in ax.get_lines()}:
+            end = max(b.get_x() + b.get_width() for b in bars(ax) if b.get_y() < y < b.get_y() + b.get_height())
+            assert x == pytest.approx(end) and text.get_window_extent().x1 <= ax.transData.transform((end, y))[0]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert sorted(legend) == sorted(["all-reduce", "reduce-scatter", "all-gather", "counted by the kernel (gloo)"])
-    assert ax.get_title() == "4 ranks"
-    assert [line for line in plots.zero_wire_bytes(rows).axes[0].get_lines() if line.get_marker() == "D"] == []
+    assert ax.get_title() == "4 ranks" and "in the bar, traced; beside ◆, counted" in ax.get_xlabel()
+
+
+def test_zero_wire_bytes_without_a_count_write_the_traced_ratio_after_each_bar():
+    traced, counted = notebook_03_wire()
+    ax = plots.zero_wire_bytes(traced).axes[0]
+    assert [line for line in ax.get_lines() if line.get_marker() == "D"] == []
+    assert written_ratios(ax) == (["1.00×", "1.00×", "1.00×", "1.50×"], [])
+    ax = plots.zero_wire_bytes(traced, counted={**counted, NAMES[1]: None}).axes[0]     # a stage not counted
+    assert len([line for line in ax.get_lines() if line.get_marker() == "D"]) == 3
+    assert written_ratios(ax)[1] == ["1.00×", "1.50×", "2.00×"]
 
 
 def zero_step(units=("layers.0", "layers.1"), shard=100, block=400):
@@ -377,7 +549,29 @@ def test_zero_explorer_figure_draws_state_and_traffic_per_stage_with_the_chosen_
     over = [t.get_text() for t in state.texts if t.get_color() == "tab:red"]
     assert sorted(over) == sorted(f"{row['total'] / GIB:,.1f}" for row in memory.values() if row["total"] > 24 * GIB)
     assert len(over) == 3                               # on a 24 GiB card only ZeRO-3 fits (13.2 GiB)
+    assert state.get_xlabel() == "GiB of training state per rank" and traffic.get_xlabel() == "GiB each rank sends per step"
     assert fig._suptitle.get_text() == "7.1B, 8 ranks"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["weights", "grads", "optimizer"]
+    assert spilled(state) == spilled(traffic) == []
+
+
+def test_zero_explorer_figure_picks_units_that_show_a_tiny_models_numbers():
+    params = 164_416                                    # the course's tiny model
+    memory = {NAMES[s]: zero_state_bytes(params, s, 8) for s in range(4)}
+    wire = {NAMES[s]: sum(wire_bytes_per_step(2 * params, s, 8).values()) for s in range(4)}
+    fig = plots.zero_explorer_figure(memory, wire, highlight="ZeRO-3", capacity_bytes=80 * GIB,
+                                     capacity_label="80 GiB (A100 80GB)")
+    state, traffic = fig.axes
+    assert state.get_xlabel() == "MiB of training state per rank" and traffic.get_xlabel() == "KiB each rank sends per step"
+    numbers = [t for t in texts(state) + texts(traffic) if re.fullmatch(r"[\d,.]+", t)]
+    assert len(numbers) == 8 and not any(float(n.replace(",", "")) == 0 for n in numbers)   # no "0.0" anywhere
+    assert numbers[:4] == [f"{memory[name]['total'] / 2**20:.2g}" if memory[name]["total"] < 2**20
+                           else f"{memory[name]['total'] / 2**20:,.1f}" for name in list(memory)[::-1]]
+    assert max(b.get_x() + b.get_width() for b in bars(state)) > 0.5 * state.get_xlim()[1]   # not squashed by the card
+    assert "80 GiB (A100 80GB): far to the right, everything fits" in texts(state)
+    one_rank = plots.zero_explorer_figure({n: zero_state_bytes(params, s, 1) for s, n in NAMES.items()},
+                                          {n: 0.0 for n in NAMES.values()}, highlight="ZeRO-1")
+    assert "one rank: nothing to send" in texts(one_rank.axes[1]) and "0" in texts(one_rank.axes[1])
 
 
 # ---- 06 · 3D parallelism ------------------------------------------------------------------------------
@@ -409,8 +603,57 @@ def test_bytes_per_axis_draws_a_group_per_rank_with_the_prediction_as_ticks():
     assert ax.get_title() == "2 ranks"
 
 
+def test_one_of_anything_is_singular_in_titles():
+    assert plots.mesh_layout(Mesh(dp=2), gpus_per_node=1).axes[0].get_title().startswith(
+        "dp 2 × tp 1 × pp 1 on nodes of 1 GPU (")
+    assert "nodes of 4 GPUs" in plots.mesh_layout(Mesh(dp=2)).axes[0].get_title()
+    one = plots.pipeline_gantt(simulate("gpipe", 1, 1, 0.01, 0.02)).axes[0].get_title(loc="left")
+    assert one == "p = 1 stage, m = 1 micro-batch: bubble 0.0%"
+    assert plural(1, "rank") == "1 rank" and plural(2, "rank") == "2 ranks"
+    assert plural(3, "micro-batch", "micro-batches") == "3 micro-batches"
+
+
+def test_byte_unit_and_amount_show_every_number():
+    assert [byte_unit(n) for n in (0, 1023, 1024, 2.5 * 2**20, 80 * GIB, 2**41)] == [
+        ("B", 1), ("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)]
+    assert [amount(v) for v in (0, 0.0312, 0.86, 1, 13.24, 1536.0)] == ["0", "0.031", "0.86", "1.0", "13.2", "1,536.0"]
+    assert unit_label("GiB", 2**30) == "GiB (2**30 bytes)" and unit_label("B", 1) == "bytes"
+
+
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_keep_texts_inside_widens_the_limits_until_every_label_is_in_the_frame(scale):
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([1, 10], [1, 10])
+    ax.set(xscale=scale, yscale=scale, xlim=(1, 10), ylim=(1, 10))
+    ax.annotate("beside the last point", (10, 10), xytext=(4, 4), textcoords="offset points")
+    ax.annotate("before the first", (1, 1), xytext=(-4, -4), textcoords="offset points", ha="right", va="top")
+    assert len(spilled(ax)) == 2
+    keep_texts_inside(ax)
+    assert spilled(ax) == []
+    low, high = ax.get_xlim()
+    assert low < 1 and high > 10                                    # the data still shows, moved inwards
+    ax.annotate("a label far too long to fit in this small frame whatever the limits", (10, 1))
+    keep_texts_inside(ax)
+    grown = ax.xaxis.get_transform().transform([*ax.get_xlim()])
+    assert grown[1] - grown[0] <= 4.01 * (ax.xaxis.get_transform().transform([high])[0]
+                                          - ax.xaxis.get_transform().transform([low])[0])   # not squashed to nothing
+
+
 def test_every_public_function_of_plots_is_tested_here():
-    public = {name for name, obj in vars(plots).items() if not name.startswith("_") and inspect.isfunction(obj)
-              and obj.__module__ == plots.__name__}
+    public = {name for name in plots.__all__ if inspect.isfunction(getattr(plots, name))}
     called = set(re.findall(r"plots\.(\w+)\(", Path(__file__).read_text()))
     assert len(public) >= 17 and public - called == set()
+
+
+# ---- 08 · mixture of experts (tests/test_plots_experts.py checks them in full) --------------------------
+
+def test_the_expert_figures_draw_a_routing_and_the_drops_by_capacity():
+    from course_lib.experts import Routing
+    routing = Routing(capacity=5, requested_per_expert=[8, 2, 4, 6, 3, 5, 1, 3],
+                      kept_per_expert=[5, 2, 4, 5, 3, 5, 1, 3], ep=2)
+    left, right = plots.expert_load(routing).axes
+    assert len(bars(left)) == 8 + 2 and [b.get_height() for b in bars(right)] == [16, 12]
+    rows = [{"capacity_factor": f, "capacity": c, "dropped": d, "dropped_share": d / 32}
+            for f, c, d in [(0.5, 2, 16), (1.0, 4, 6), (2.0, 8, 0)]]
+    measured = plots.dropped_share(rows, imbalance=2.0).axes[0].get_lines()[0]
+    assert list(measured.get_ydata()) == [50.0, 18.75, 0.0]

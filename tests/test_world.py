@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -16,6 +17,7 @@ import torch
 
 from conftest import REPO, gone, run_cell
 from course_lib import RankError, RankTimeout, World
+from course_lib.world import Interrupted
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -112,6 +114,24 @@ def test_a_rank_that_dies_restarts_the_world():
         assert all(status["alive"]) and set(status["pids"]).isdisjoint(old_pids)
         assert values(w.exec("dist.barrier()\nrank")) == ["0", "1"]
     assert gone(old_pids)
+
+
+def test_an_interrupt_stops_every_rank_and_says_in_a_sentence_what_became_of_the_world(world):
+    world.exec("kept = rank")
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()   # the stop button, a second in
+    with pytest.raises(Interrupted) as info:
+        world.exec("import time\ntime.sleep(60)")
+    # Each rank was in Python's sleep, so the interrupt freed it at once and nothing was broken; on a busy
+    # machine a rank may answer only after the others left the group, and the world then recovered.
+    message = str(info.value)
+    assert (message == "the ranks were interrupted; they kept their variables and are ready for the next cell"
+            or message.startswith("the ranks were interrupted; the world recovered: ")), message
+    assert world.pull("kept") == [0, 1, 2, 3]
+
+
+def test_a_world_far_beyond_the_machine_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="world_size=1000 is more than this machine can run"):
+        World(1000)
 
 
 def test_push_before_any_cell_keeps_the_predefined_names():

@@ -1,0 +1,113 @@
+"""A small catalogue of GPUs and the links between them, each figure with its source.
+
+Every number here is a spec-sheet figure, not a measurement: what the vendor promises. Real runs reach less
+(a large bf16 matmul gets ~70-90% of the dense peak; nccl-tests' bus bandwidth ~75-90% of a link's rate),
+which is why course_lib.cost multiplies the peak by an assumed efficiency instead of using it as it is.
+
+    GPU          dense bf16 peak   memory    HBM bandwidth   NVLink per GPU, each way   network per GPU
+    A100 40GB      312 TFLOP/s     40 GiB     1,555 GB/s      300 GB/s (NVLink 3)       200 Gb/s HDR IB
+    A100 80GB      312 TFLOP/s     80 GiB     2,039 GB/s      300 GB/s (NVLink 3)       200 Gb/s HDR IB
+    H100 SXM       989 TFLOP/s     80 GiB     3,350 GB/s      450 GB/s (NVLink 4)       400 Gb/s NDR IB
+    H200 SXM       989 TFLOP/s    141 GiB     4,800 GB/s      450 GB/s (NVLink 4)       400 Gb/s NDR IB
+
+"Dense" means without 2:4 structured sparsity: NVIDIA's headline Tensor Core figures are often the sparse
+ones, twice these. NVLink is quoted by NVIDIA as the total of both directions (600 and 900 GB/s); one GPU
+sends at half of it. A network card's rate is in bits: 400 Gb/s = 50 GB/s each way. One card per GPU is the
+DGX layout (8 GPUs, 8 compute NICs per node), and Llama 3's cluster's (400 Gb/s per GPU).
+
+Latency (alpha) is not on any spec sheet: the values are assumptions of the right order, stated as such. A
+collective that is a few bytes still takes time: launching the kernel, a handshake per peer, hops through
+switches. nccl-tests report all-reduce times of order 10 µs for tiny messages inside one NVSwitch node;
+the Llama 3 paper (section 3.3.3) gives "latency up to tens of microseconds" across its multi-hop network.
+
+Memory is in GiB, as nvidia-smi and course_lib.units count it: the A100 80GB holds 81,920 MiB = 80 GiB, so
+the "GB" of the GPU names are GiB. (The H100's driver shows a little less, 81,559 MiB: some of it is reserved.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import CostModel
+from .units import GiB
+
+GB = 10**9                     # bandwidths are decimal: 1 GB/s = 10**9 bytes per second
+TERA = 10**12
+
+A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
+                  "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 Tensor Core 312 TFLOPS (624 with "
+                  "sparsity); 40GB HBM2 1,555 GB/s, 80GB HBM2e 2,039 GB/s (SXM); NVLink 600 GB/s")
+H100_DATASHEET = ("NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/): H100 SXM BF16 Tensor "
+                  "Core 1,979 TFLOPS with sparsity = 989 dense; 80GB HBM3, 3.35 TB/s; NVLink 900 GB/s")
+H200_DATASHEET = ("NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/): H200 SXM BF16 Tensor "
+                  "Core 1,979 TFLOPS with sparsity = 989 dense; 141GB HBM3e, 4.8 TB/s; NVLink 900 GB/s")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One GPU's connection to its peers: bytes it can send per second (each direction) and a latency."""
+    name: str
+    bytes_per_s: float        # per GPU, one direction: the β of comm.CostModel
+    alpha_s: float            # seconds per collective whatever its size (an assumption, see the module docstring)
+    source: str
+
+    def cost_model(self) -> CostModel:
+        """comm.CostModel(alpha, beta): time = alpha + wire bytes / beta, with wire bytes as comm.wire_bytes."""
+        return CostModel(alpha=self.alpha_s, beta=self.bytes_per_s)
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float         # dense bf16 Tensor Core peak, FLOP/s
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    nvlink: Link              # to the other GPUs of its node
+    network: Link             # to GPUs in other nodes (its own NIC)
+    source: str
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOPs per byte of HBM traffic at which compute and memory take equal time: peak / bandwidth. A kernel
+        that does fewer FLOPs per byte it moves waits on memory (the roofline's slanted part)."""
+        return self.peak_flops / self.hbm_bytes_per_s
+
+
+NVLINK_ALPHA_S = 10e-6        # assumed: order of nccl-tests' small-message all-reduce time in one NVSwitch node
+NETWORK_ALPHA_S = 20e-6       # assumed: "up to tens of microseconds" across a multi-hop network (Llama 3, 3.3.3)
+
+LINKS = {
+    "NVLink 3": Link("NVLink 3 (A100)", 300 * GB, NVLINK_ALPHA_S,
+                     A100_DATASHEET + "; 600 GB/s is both directions: 300 GB/s each way"),
+    "NVLink 4": Link("NVLink 4 (H100, H200)", 450 * GB, NVLINK_ALPHA_S,
+                     H100_DATASHEET + "; 900 GB/s is both directions: 450 GB/s each way"),
+    "IB HDR 200": Link("InfiniBand HDR, 200 Gb/s per GPU", 200 * GB / 8, NETWORK_ALPHA_S,
+                       "NVIDIA DGX A100 user guide: 8 x ConnectX-6 200 Gb/s HDR InfiniBand compute ports, one per "
+                       "GPU (also Selene, Narayanan et al. 2021 section 5: 8 x 200 Gbps HDR per node)"),
+    "IB NDR 400": Link("InfiniBand NDR, 400 Gb/s per GPU", 400 * GB / 8, NETWORK_ALPHA_S,
+                       "NVIDIA DGX H100/H200 user guide: 8 x ConnectX-7 400 Gb/s NDR ports, one per GPU (Llama 3 "
+                       "paper section 3.3.1: 400 Gbps between GPUs, RoCE and InfiniBand alike)"),
+}
+
+GPUS = {
+    "A100 40GB": GPU("A100 40GB (SXM)", 312 * TERA, 40 * GiB, 1555 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
+                     A100_DATASHEET),
+    "A100 80GB": GPU("A100 80GB (SXM)", 312 * TERA, 80 * GiB, 2039 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
+                     A100_DATASHEET),
+    "H100 SXM": GPU("H100 SXM 80GB", 989 * TERA, 80 * GiB, 3350 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
+                    H100_DATASHEET),
+    # The datasheet's "141GB" is read as GiB like the other names; nvidia-smi is reported to show 143,771 MiB
+    # (140.4 GiB) on an H200: not checked here.
+    "H200 SXM": GPU("H200 SXM 141GB", 989 * TERA, 141 * GiB, 4800 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
+                    H200_DATASHEET),
+}
+
+
+def find_gpu(name_or_gpu) -> GPU:
+    """A GPU of the catalogue by its key ("H100 SXM"), or a GPU given as it is (for one of your own)."""
+    if isinstance(name_or_gpu, GPU):
+        return name_or_gpu
+    if name_or_gpu not in GPUS:
+        raise ValueError(f"unknown GPU {name_or_gpu!r}; the catalogue has {', '.join(GPUS)} "
+                         "(or pass a hardware.GPU of your own)")
+    return GPUS[name_or_gpu]

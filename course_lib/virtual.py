@@ -1,0 +1,261 @@
+"""The virtual cluster: any one rank of a world of thousands, run in this process, in seconds.
+
+    python -m course_lib.virtual --preset llama2-70b --dp 4 --tp 8 --pp 4 --rank 37 \\
+        --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero 1 --recompute selective
+
+prints one JSON object: what rank 37 of 128 holds (training state, the peak of its saved activations over
+the schedule) and what it sends (bytes and ops on each axis), measured by running the course's own code.
+
+How. Two stand-ins make one rank of a huge world cheap, and nothing else changes:
+
+* torch's fake process group (``backend="fake"``, torch.testing's FakeStore): every collective returns at
+  once, having sent nothing; ``Comm`` still records each one with its bytes. The rank never waits for the
+  others, because there are none: it runs its own part of the step alone.
+* meta tensors: a shape and a dtype, no memory, no arithmetic. Llama-2-70B builds in a second.
+
+On those, :func:`run_rank` runs the notebooks' code: ``make_comms`` (the mesh's groups), ``parallelize_3d``
+(``apply_tp``, ``make_stage``, ZeRO's ``ZeroDataParallel`` over the dp group), one ``pipeline_step`` (the
+schedule, every micro-batch's forward and backward, the sends and receives), the gradient reduction and the
+optimizer's step. It counts state with ``measure_state_bytes`` (meta storages count numel × element size),
+saved activations with ``SavedActivations`` via the step's ``StepRecorder`` (what each forward saves,
+held until its backward: the peak over the schedule), and bytes with ``Comm.trace``.
+
+One thing is rerouted, and said here: on meta tensors torch picks SDPA's math path, which stores the s×s
+attention scores; on CPU (and CUDA) it runs a flash kernel that stores q, k, v, the output and a
+log-sum-exp. :class:`MetaFlashAttention` sends meta SDPA to the CPU flash kernel, so meta saves what a real
+run saves (checked on the tiny model: every module's saved bytes equal a CPU run's).
+
+Not run, computed (the output lists which numbers are which): ``recompute="full"`` (the course code has no
+activation checkpointing: the peak is mesh.activation_bytes_per_rank's). "none" and "selective" both run: they
+are the same for the course model, whose SDPA never stores the scores. ``sequence_parallel`` runs
+``apply_tp(..., sequence_parallel=True)`` (activations and the TP group's bytes measured, its all-gathers at
+each stage's two ends and its norm-weight all-reduces included: tensor_parallel.tp_step_traffic), with one
+number computed: the pipeline's bytes. Megatron-LM passes s/tp of the sequence between stages; the course's
+pipeline_step passes whole activations [b, s, d], so the run sends plain TP's, and the formula's a/tp stands in.
+
+An exception to DESIGN.md's rule that ``launch`` makes the one process group: the fake group exists only
+inside :func:`fake_world`, in this process, and is destroyed on the way out; nothing real is ever connected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from .ledger import RECOMPUTE, check_zero_stage, zero_state_bytes
+from .measure import measure_state_bytes
+from .mesh import (
+    Mesh,
+    activation_bytes_per_rank,
+    make_comms,
+    parallelize_3d,
+    params_per_rank,
+    sent_bytes_per_rank,
+)
+from .model import build, preset
+from .pipeline_parallel import StepRecorder, make_stage, partition_layers, pipeline_step, schedule_actions
+from .tensor_parallel import apply_tp, tp_step_traffic
+from .zero import ZeroDataParallel, wire_bytes_per_step
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """A fake default process group of ``world_size`` ranks in which this process is ``rank``. "meta:fake"
+    lets point-to-point batches (Comm.exchange) carry meta tensors, which plain "fake" refuses."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process: run the virtual cluster outside a "
+                           "distributed run (it makes its own fake group)")
+    dist.init_process_group(backend="cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # torch 2.13 gives a group of two device backends no default one, and warns (on stderr, from C++) when it
+    # is destroyed; the fake backend is a plugin: say so.
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class MetaFlashAttention(TorchFunctionMode):
+    """Inside this mode, SDPA on meta tensors runs the CPU flash kernel's meta version (the kernel a CPU
+    run uses), so that autograd saves q, k, v, the output and the log-sum-exp, not the s×s scores."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].is_meta:
+            query, key, value = args[:3]
+            if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p", 0.0):
+                raise ValueError("MetaFlashAttention covers the course model's SDPA: causal, no mask, no dropout")
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
+                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype) -> None:
+    """The errors a real run would raise, before any group is made: the mesh's, ZeRO's and the schedule's
+    own checks (the same messages), and the model's limit on the sequence."""
+    mesh.check_model(config, batch_size=mesh.dp * micro_batch_size * num_microbatches,
+                     num_microbatches=num_microbatches)
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
+    check_zero_stage(zero_stage)
+    schedule_actions(schedule, mesh.pp, num_microbatches)
+    if not 1 <= seq_len <= config.max_seq_len:
+        raise ValueError(f"sequence length {seq_len} must be between 1 and max_seq_len={config.max_seq_len}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
+    if sequence_parallel and seq_len % mesh.tp:
+        raise ValueError(f"seq_len={seq_len} is not divisible by tp={mesh.tp}: sequence parallelism gives each "
+                         "rank seq_len/tp tokens")
+
+
+def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
+             num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
+             sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
+    """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
+
+    Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens; the optimizer is
+    ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns). Returns a dict that
+    json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)), state_bytes,
+    activation_bytes_peak, activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis,
+    per op: counts), measured / computed (which numbers are which), formulas (the same numbers from the
+    course's formulas, see :func:`formulas`), seconds.
+    """
+    start = time.perf_counter()
+    workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                    zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
+                    schedule=schedule, dtype=dtype)
+    check_workload(config, mesh, **workload)
+    coords = mesh.coords(rank)
+    # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
+    # model's device (here meta), so each one saves its own ids, not a view of the whole batch's.
+    tokens = torch.zeros(micro_batch_size * num_microbatches, seq_len, dtype=torch.long)
+    with fake_world(mesh.size, rank):
+        comms = make_comms(mesh, rank)
+        model = build(config, device="meta", dtype=dtype)
+        if sequence_parallel and mesh.tp > 1:   # parallelize_3d's three steps, its apply_tp with SP
+            apply_tp(model, comms["tp"], sequence_parallel=True)
+            stage_module = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
+            data_parallel = ZeroDataParallel(stage_module, comms["dp"], stage=zero_stage)
+        else:
+            data_parallel = parallelize_3d(model, mesh, comms, rank, zero_stage=zero_stage)
+        stage = data_parallel.module
+        recorder = StepRecorder(stage, measure_memory=True)
+        with contextlib.ExitStack() as traces:
+            logs = {axis: traces.enter_context(comms[axis].trace()) for axis in ("tp", "pp", "dp")}
+            with MetaFlashAttention(), data_parallel.no_sync():   # one gradient reduction, after the schedule
+                pipeline_step(stage, comms["pp"], tokens, tokens, num_microbatches=num_microbatches,
+                              schedule=schedule, recorder=recorder)
+            data_parallel.finish_gradient_sync()
+            data_parallel.step()
+        state = measure_state_bytes(data_parallel, data_parallel.optimizer)
+    layers = [i for i, layer in enumerate(stage.layers) if not isinstance(layer, torch.nn.Identity)]
+    # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
+    result = {
+        "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
+        "layers": [layers[0], layers[-1] + 1],
+        "state_bytes": {part: state[part] for part in ("weights", "grads", "optimizer", "total")},
+        "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight),
+        "activation_bytes_per_microbatch": next(nbytes for _, count, nbytes in recorder.in_flight if count == 1),
+        "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
+        "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
+        "ops": {axis: {op: totals.count for op, totals in log.summary().items()} for axis, log in logs.items()},
+        "measured": ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"],
+        "computed": [],
+        "formulas": formulas(config, mesh, rank, **workload),
+    }
+    if recompute == "full":    # not in the course code: the formula's numbers instead
+        result["activation_bytes_peak"] = result["formulas"]["activation_bytes_peak"]
+        result["activation_bytes_per_microbatch"] = result["formulas"]["activation_bytes_per_microbatch"]
+        result["measured"].remove("activation_bytes_peak")
+        result["computed"].append("activation_bytes_peak")
+    if sequence_parallel:      # the course's pipeline passes whole activations; Megatron's, s/tp of them
+        result["sent_bytes"]["pp"] = result["formulas"]["sent_bytes"]["pp"]
+        result["measured"][result["measured"].index("sent_bytes")] = "sent_bytes.tp, sent_bytes.dp"
+        result["computed"].append("sent_bytes.pp")
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
+             zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
+             schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
+    """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
+    beside: ledger.zero_state_bytes of mesh.params_per_rank (e bytes per weight and gradient, 12 of optimizer
+    state), mesh.activation_bytes_per_rank, mesh.sent_bytes_per_rank (tp, pp) and zero.wire_bytes_per_step
+    (dp, one micro-step per micro-batch). These count no padding: ZeroDataParallel pads each unit (embedding,
+    each layer, final norm, head) to a multiple of dp, so where dp does not divide a unit the run holds and
+    sends a little more: fewer than dp parameters per unit (zero.padded_num_params counts them exactly)."""
+    stage = mesh.coords(rank)["pp"]
+    e = torch.tensor([], dtype=dtype).element_size()
+    params = params_per_rank(config, mesh, stage)
+    activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                            num_microbatches=num_microbatches, schedule=schedule, dtype=dtype,
+                                            recompute=recompute, sequence_parallel=sequence_parallel)
+    sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
+                               seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
+                               sequence_parallel=sequence_parallel)
+    if sequence_parallel:     # the layers' bytes are plain TP's; apply_tp's SP adds its ends and norm weights
+        layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+        sent["tp"] = num_microbatches * tp_step_traffic(config, micro_batch_size, seq_len, mesh.tp, e, True,
+                                                        num_layers=layers)["wire_bytes_per_rank"]
+    sent["dp"] = sum(wire_bytes_per_step(params * e, zero_stage, mesh.dp, num_microbatches).values())
+    state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
+    return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
+            "activation_bytes_per_microbatch": activations["per_microbatch"],
+            "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent}
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="llama2-70b", help="a model of course_lib.model.PRESETS")
+    parser.add_argument("--world-size", type=int, help="all the ranks; dp = world / (tp × pp) if --dp is not given")
+    parser.add_argument("--dp", type=int)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--num-microbatches", type=int, default=1)
+    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
+    parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    args = parser.parse_args(argv)
+    try:
+        config = preset(args.preset)
+        if args.dp is None:
+            mesh = Mesh.for_world(args.world_size or args.tp * args.pp, tp=args.tp, pp=args.pp)
+        else:
+            mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
+            if args.world_size is not None:
+                mesh.check(args.world_size)
+        result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                          num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
+                          sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                          dtype=DTYPES[args.dtype])
+    except ValueError as error:          # the run's own one-line errors, as a real run would raise them
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""exercises.check_layout_at_scale (notebook 09) given the typical wrong answers: each gets its own hint, ✗ and
+False (tests/test_exercises.py runs it on its reference answer and on the notebook's unfinished cell). It judges
+an answer with the planner's own models, so the planner's best layout is the checker's."""
+
+import pytest
+from test_exercises import NOT_DONE, unfinished, verdict
+
+from course_lib import exercises, exercises_scale, solutions
+from course_lib.cost import DEFAULT_EFFICIENCY
+from course_lib.layouts import Workload
+from course_lib.plan import plan
+
+
+def layout(**changes):
+    """The reference layout with some values changed; a value of None removes that key."""
+    answer = {**solutions.layout_at_scale(), **changes}
+    return lambda: {key: value for key, value in answer.items() if value is not None}
+
+
+@pytest.mark.parametrize("answer, words", [
+    (unfinished, [NOT_DONE]),
+    (lambda: (2, 4, 8), ["✗ layout() returned a tuple; return a dict with the keys dp, tp, pp, zero_stage, "
+                         "micro_batch_size, sequence_parallel, recompute"]),
+    (layout(recompute=None), ["✗ your dict needs the keys", "; it has no 'recompute'\n"]),
+    (layout(zero=1, zero_stage=None), ["it has no 'zero_stage'; 'zero' is not one of them"]),
+    (layout(dp=4), ["✗ ValueError: world_size 64 != dp 4 × tp 4 × pp 8 = 128"]),
+    (layout(dp=1, tp=16, pp=4), ["✗ ValueError: 8 key/value heads (num_kv_heads) cannot split over TP=16"]),
+    (layout(zero_stage=4), ["✗ zero_stage=4: one of 0 (DDP), 1, 2, 3"]),
+    (layout(recompute="some"), ["✗ recompute='some': one of 'none', 'selective', 'full'"]),
+    (layout(sequence_parallel="yes"), ["✗ sequence_parallel='yes': True or False"]),
+    (layout(micro_batch_size=1.5), ["✗ micro_batch_size=1.5: a whole number of sequences >= 1"]),
+    (layout(micro_batch_size=3), ["✗ the 512 sequences of a step do not split into dp 2 × micro-batches of 3: "
+                                  "m = B/(dp·b) = 512/6 must be a whole number"]),
+    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "ZeRO-1 is the most a pipeline takes"]),
+    (layout(dp=8, tp=1, pp=8, micro_batch_size=64), ["✗ PP 8 stages > 1 micro-batches: the bubble is 88%"]),
+], ids=["unfinished", "not-a-dict", "missing-key", "misspelt-key", "wrong-size", "tp-over-kv-heads", "no-such-stage",
+        "no-such-recompute", "sp-not-bool", "fractional-micro-batch", "uneven-batch", "zero3-pipeline",
+        "fewer-micro-batches-than-stages"])
+def test_an_answer_that_is_no_layout_says_why(capsys, answer, words):
+    verdict(capsys, exercises.check_layout_at_scale(answer), False, *words)
+
+
+@pytest.mark.parametrize("answer, words", [
+    (layout(dp=64, tp=1, pp=1, zero_stage=0, sequence_parallel=False),
+     ["✗ does not fit: the busiest GPU needs state 1027.8 GiB + activations 141.2 GiB + reserve 8.0 GiB = 1177.0 GiB "
+      "of 80.0 GiB, 1097.0 GiB over", "the training state alone, with the reserve, needs 1035.8 GiB: shard it more"]),
+    (layout(sequence_parallel=False),
+     ["✗ does not fit: the busiest GPU needs state 22.4 GiB + activations 72.8 GiB + reserve 8.0 GiB = 103.2 GiB of "
+      "80.0 GiB, 23.2 GiB over", "the activations must shrink by 23.2 GiB, to at most 49.6 GiB: sequence parallelism"]),
+], ids=["state", "activations"])
+def test_a_layout_that_does_not_fit_says_which_part_overflows_and_by_how_much(capsys, answer, words):
+    shown = verdict(capsys, exercises.check_layout_at_scale(answer), False, *words)
+    assert "MFU" not in shown
+
+
+@pytest.mark.parametrize("answer, worst, words", [
+    (layout(dp=8, tp=8, pp=1, recompute="full"), "tp",
+     ["MFU is 34.9% < 45%", "The largest loss is tp, 8.63 s (20% of the step)", "A smaller TP"]),
+    (layout(dp=16, tp=4, pp=1, zero_stage=3), "dp",
+     ["MFU is 30.2% < 45%", "The largest loss is dp, 21.5 s (44% of the step)", "gathered 2m times"]),
+    (layout(dp=4, tp=1, pp=16, micro_batch_size=4, recompute="full", sequence_parallel=False), "bubble",
+     ["The largest loss is bubble, 16.1 s (32% of the step)", "(p-1)/(m+p-1)"]),
+    (layout(dp=8, tp=1, pp=8, recompute="full", sequence_parallel=False), "recompute",
+     ["The largest loss is recompute, 8.3 s (22% of the step)", "hardware FLOPs that MFU does not count"]),
+    (layout(dp=1, tp=4, pp=16), "imbalance",
+     ["MFU is 43.5% < 45%", "The largest loss is imbalance, 5.47 s (16% of the step)", "whole on every TP rank"]),
+], ids=["tp", "dp", "bubble", "recompute", "imbalance"])
+def test_a_layout_that_fits_but_is_slow_names_its_largest_loss(capsys, answer, worst, words):
+    shown = verdict(capsys, exercises.check_layout_at_scale(answer), False, "✗ it fits, but", *words)
+    assert exercises_scale.HINTS[worst] in shown
+    _, _, _, time = exercises_scale.judge(answer())
+    lost = exercises_scale.losses(time)
+    assert max(lost, key=lost.get) == worst and min(lost.values()) >= -1e-9
+    ideal = time.mfu * time.total_s / DEFAULT_EFFICIENCY      # every second beyond the ideal step has a name
+    assert sum(lost.values()) == pytest.approx(time.total_s - ideal)
+
+
+@pytest.mark.parametrize("answer", [layout(dp=8, tp=8, pp=1, zero_stage=2), layout(dp=4, tp=8, pp=2)],
+                         ids=["dp8-tp8-zero2", "dp4-tp8-pp2"])
+def test_other_layouts_pass_too(capsys, answer):
+    verdict(capsys, exercises.check_layout_at_scale(answer), True, "✓ dp", "(≥ 45%)")
+
+
+def test_the_checker_judges_with_the_planners_numbers():
+    """The planner, asked for this workload, picks the reference layout; the checker's memory and step time for
+    it are the planner's, to the byte and the second."""
+    answer = solutions.layout_at_scale()
+    workload = Workload(seq_len=exercises_scale.SEQ_LEN, global_batch_size=exercises_scale.GLOBAL_BATCH,
+                        recompute=answer["recompute"], sequence_parallel=answer["sequence_parallel"])
+    chosen = plan(exercises_scale.CONFIG, num_gpus=exercises_scale.NUM_GPUS, gpu=exercises_scale.GPU,
+                  gpus_per_node=exercises_scale.GPUS_PER_NODE, workload=workload)
+    mesh, m, memory, time = exercises_scale.judge(answer)
+    assert (chosen.mesh, chosen.zero_stage, chosen.num_microbatches) == (mesh, answer["zero_stage"], m)
+    assert chosen.memory == memory and chosen.time == time
+    assert time.mfu >= exercises_scale.TARGET_MFU

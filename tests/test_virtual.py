@@ -1,0 +1,237 @@
+"""course_lib.virtual: one rank of a big world, run on torch's fake process group with meta tensors, holds and
+sends exactly what the course's formulas say, for every kind of rank (first, middle, last stage).
+
+Exact, not approximate: state (ledger.zero_state_bytes of mesh.params_per_rank, when dp divides every ZeRO
+unit), saved activations (mesh.activation_bytes_per_rank, rotary tables included: 4·s·(h_d/2)·4 bytes per
+layer, whole on every TP rank), bytes sent on each axis (mesh.sent_bytes_per_rank, zero.wire_bytes_per_step).
+The one approximation is ZeRO's padding: each unit is padded to a multiple of dp, so where dp does not divide
+it the run holds and sends up to dp - 1 parameters more per unit than the formulas, which count none
+(test_padding_is_the_only_gap bounds it). Sequence parallelism runs too; only its pipeline bytes are computed.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import launch
+from course_lib.comm import Comm
+from course_lib.ledger import zero_state_bytes
+from course_lib.measure import SavedActivations, measure_state_bytes
+from course_lib.mesh import Mesh, activation_bytes_per_rank, params_per_rank, sent_bytes_per_rank
+from course_lib.model import build, loss_fn, preset
+from course_lib.pipeline_parallel import partition_layers
+from course_lib.tensor_parallel import check_tp_divisible, tp_step_traffic
+from course_lib.virtual import MetaFlashAttention, fake_world, main, run_rank
+from course_lib.zero import ZeroDataParallel, wire_bytes_per_step
+
+TINY = preset("tiny")           # 4 layers: over 3 stages, 2 + 1 + 1
+LLAMA_70B = preset("llama2-70b")
+
+
+def assert_equals_formulas(config, mesh, rank, *, seq_len, micro_batch_size=1, num_microbatches=1, zero_stage=1,
+                           schedule="1f1b", dtype=torch.bfloat16):
+    """Run ``rank`` virtually; every number it measures equals the course's formula for it."""
+    run = run_rank(config, mesh, rank, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                   num_microbatches=num_microbatches, zero_stage=zero_stage, schedule=schedule, dtype=dtype)
+    stage, m, e = mesh.coords(rank)["pp"], num_microbatches, dtype.itemsize
+    layers = partition_layers(config.num_layers, mesh.pp)[stage]
+    params = params_per_rank(config, mesh, stage)
+    assert run["coords"] == {"dp": mesh.coords(rank)["dp"], "tp": mesh.coords(rank)["tp"], "pp": stage}
+    assert run["layers"] == [layers.start, layers.stop]
+    state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
+    assert run["state_bytes"] == state
+    activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
+                                            seq_len=seq_len, num_microbatches=m, schedule=schedule, dtype=dtype)
+    assert run["microbatches_in_flight"] == (m if schedule == "gpipe" else min(mesh.pp - stage, m))
+    assert run["activation_bytes_per_microbatch"] == activations["per_microbatch"]
+    assert run["activation_bytes_peak"] == activations["peak"]
+    sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * m, seq_len=seq_len,
+                               num_microbatches=m, bytes_per_element=e)
+    dp_ops = wire_bytes_per_step(params * e, zero_stage, mesh.dp, accumulation_steps=m)
+    assert run["sent_bytes"] == {"tp": sent["tp"], "pp": sent["pp"], "dp": sum(dp_ops.values())}
+    # Counts: 4 TP all-reduces per layer and micro-batch; one send per micro-batch and direction that has a
+    # neighbour (and as many receives); one reduction (and gather) per ZeRO unit: embed, layers, norm + head.
+    neighbours = (stage > 0) + (stage < mesh.pp - 1)
+    units = len(layers) + (stage == 0) + 2 * (stage == mesh.pp - 1)
+    assert run["ops"]["tp"] == ({"all_reduce": 4 * len(layers) * m} if mesh.tp > 1 else {})
+    assert run["ops"]["pp"] == ({"send": m * neighbours, "recv": m * neighbours} if neighbours else {})
+    if mesh.dp > 1 and zero_stage == 1:
+        assert run["ops"]["dp"] == {"reduce_scatter": units, "all_gather": units}
+    assert run["measured"] == ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"]
+    assert run["formulas"]["state_bytes"] == run["state_bytes"]
+    return run
+
+
+@pytest.mark.parametrize("rank_kind", ["first", "middle", "last"])
+def test_tiny_ranks_equal_the_formulas(rank_kind):
+    mesh = Mesh(dp=2, tp=2, pp=3)
+    stage = {"first": 0, "middle": 1, "last": 2}[rank_kind]
+    assert_equals_formulas(TINY, mesh, mesh.rank_of(pp=stage, dp=1, tp=1), seq_len=16, num_microbatches=4)
+
+
+@pytest.mark.parametrize("rank", [5, 37, 127], ids=["first stage", "middle stage", "last stage"])
+def test_llama2_70b_at_dp4_tp8_pp4_equals_the_formulas(rank):
+    run = assert_equals_formulas(LLAMA_70B, Mesh(dp=4, tp=8, pp=4), rank, seq_len=4096, num_microbatches=16)
+    print(f"rank {rank} of 128: {run['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_every_zero_stage_and_gpipe_equal_the_formulas(zero_stage):
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    for stage in range(mesh.pp):
+        assert_equals_formulas(TINY, mesh, mesh.rank_of(pp=stage), seq_len=16, num_microbatches=3,
+                               zero_stage=zero_stage, schedule="gpipe", dtype=torch.float32)
+
+
+def test_one_rank_of_a_4096_rank_world():
+    mesh = Mesh(dp=64, tp=8, pp=8)
+    run = assert_equals_formulas(LLAMA_70B, mesh, mesh.rank_of(pp=5, dp=33, tp=3), seq_len=4096,
+                                 num_microbatches=16)
+    print(f"one rank of {mesh.size}: {run['seconds']:.1f} s")
+
+
+def test_padding_is_the_only_gap():
+    """dp = 3 divides no unit of the tiny model split over tp = 2: each unit holds up to 2 parameters more."""
+    mesh, e = Mesh(dp=3, tp=2, pp=2), 2
+    for stage in range(mesh.pp):
+        run = run_rank(TINY, mesh, mesh.rank_of(pp=stage), seq_len=16, num_microbatches=3)
+        units = len(partition_layers(TINY.num_layers, mesh.pp)[stage]) + (stage == 0) + 2 * (stage == 1)
+        formula = run["formulas"]
+        assert run["state_bytes"] != formula["state_bytes"]           # the case really has padding
+        for part, per_param in (("weights", e), ("grads", e), ("optimizer", 12)):
+            gap = run["state_bytes"][part] - formula["state_bytes"][part]
+            assert 0 <= gap < per_param * (mesh.dp - 1) * units, part
+        gap = run["sent_bytes"]["dp"] - formula["sent_bytes"]["dp"]
+        assert 0 < gap < 2 * e * (mesh.dp - 1) * units
+        assert run["sent_bytes"]["tp"] == formula["sent_bytes"]["tp"]
+        assert run["activation_bytes_peak"] == formula["activation_bytes_peak"]
+
+
+def test_what_is_not_in_the_course_code_is_computed_and_labelled():
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    plain = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="none")
+    selective = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="selective")
+    assert plain["activation_bytes_peak"] == selective["activation_bytes_peak"]   # SDPA keeps no scores anyway
+    full = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="full")
+    assert full["computed"] == ["activation_bytes_peak"] and "activation_bytes_peak" not in full["measured"]
+    assert full["activation_bytes_peak"] == full["formulas"]["activation_bytes_peak"]
+    assert full["activation_bytes_peak"] < selective["activation_bytes_peak"]
+    sp = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, sequence_parallel=True)
+    assert sp["computed"] == ["sent_bytes.pp"] and "activation_bytes_peak" in sp["measured"]
+    assert sp["sent_bytes"]["pp"] == selective["sent_bytes"]["pp"] / mesh.tp   # Megatron's stages pass s/tp
+    assert sp["activation_bytes_peak"] < selective["activation_bytes_peak"]
+
+
+@pytest.mark.parametrize("rank_kind", ["first", "middle", "last"])
+def test_sequence_parallelism_runs_and_equals_the_formulas(rank_kind):
+    """apply_tp(..., sequence_parallel=True) for real: the activation peak and the TP group's bytes measured, equal
+    to mesh.activation_bytes_per_rank and tensor_parallel.tp_step_traffic; the layers send what plain TP sends."""
+    mesh, m, e = Mesh(dp=2, tp=2, pp=3), 4, 2
+    stage = {"first": 0, "middle": 1, "last": 2}[rank_kind]
+    rank = mesh.rank_of(pp=stage, dp=1, tp=1)
+    plain = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m)
+    sp = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m, sequence_parallel=True)
+    layers = len(partition_layers(TINY.num_layers, mesh.pp)[stage])
+    formula = sp["formulas"]
+    assert sp["activation_bytes_peak"] == formula["activation_bytes_peak"] == activation_bytes_per_rank(
+        TINY, mesh, stage, micro_batch_size=1, seq_len=16, num_microbatches=m, sequence_parallel=True)["peak"]
+    assert sp["activation_bytes_per_microbatch"] == formula["activation_bytes_per_microbatch"]
+    assert sp["activation_bytes_peak"] < plain["activation_bytes_peak"]
+    assert sp["state_bytes"] == plain["state_bytes"]
+    assert sp["sent_bytes"]["tp"] == formula["sent_bytes"]["tp"] and sp["sent_bytes"]["dp"] == plain["sent_bytes"]["dp"]
+    # per micro-batch: 4 all-gathers + 4 reduce-scatters per layer (plain TP's 4 all-reduces, the same bytes), an
+    # all-gather at each end of the stage, an all-reduce of each norm's weight gradient
+    assert sp["ops"]["tp"] == {"all_gather": m * (4 * layers + 2), "reduce_scatter": m * 4 * layers,
+                               "all_reduce": m * 2 * layers}
+    traffic = tp_step_traffic(TINY, 1, 16, mesh.tp, e, sequence_parallel=True, num_layers=layers)
+    assert m * traffic["layers_wire_bytes"] == plain["sent_bytes"]["tp"]
+    assert sp["sent_bytes"]["tp"] == m * traffic["wire_bytes_per_rank"]
+
+
+def test_meta_attention_saves_what_a_cpu_run_saves():
+    """On meta, torch would run SDPA's math path (s×s scores saved); MetaFlashAttention runs the CPU kernel's."""
+    saved = {}
+    for device in ("cpu", "meta"):
+        model = build(TINY, device=device, dtype=torch.bfloat16)
+        tokens = torch.zeros(2, 16, dtype=torch.long, device=device)
+        with MetaFlashAttention(), SavedActivations(model) as activations:
+            loss_fn(model(tokens), tokens)
+        saved[device] = activations.by_module
+    assert saved["meta"] == saved["cpu"]
+
+
+def test_meta_state_counts_numel_times_element_size_once_per_storage():
+    model = build(TINY, device="meta", dtype=torch.bfloat16)
+    state = measure_state_bytes(model)
+    assert state["weights"] == 2 * sum(p.numel() for p in model.parameters())
+    assert state == measure_state_bytes(build(TINY, dtype=torch.bfloat16))
+    whole = torch.empty(10, device="meta")
+    views = torch.nn.ParameterList([torch.nn.Parameter(whole[:4]), torch.nn.Parameter(whole[4:])])
+    assert measure_state_bytes(views)["weights"] == whole.nbytes     # views of one storage: counted once
+
+
+@pytest.mark.parametrize("argv, real_check", [
+    (["--world-size", "100", "--tp", "8", "--pp", "4"], lambda: Mesh.for_world(100, tp=8, pp=4)),
+    (["--dp", "2", "--tp", "16", "--pp", "1"], lambda: check_tp_divisible(LLAMA_70B, 16)),
+    (["--dp", "1", "--tp", "1", "--pp", "100"], lambda: Mesh(pp=100).check_model(LLAMA_70B)),
+    (["--dp", "4", "--tp", "8", "--pp", "4", "--rank", "128"], lambda: Mesh(dp=4, tp=8, pp=4).coords(128)),
+], ids=["world does not factor", "more TP than KV heads", "more stages than layers", "no such rank"])
+def test_bad_input_gets_the_real_runs_one_line_error(argv, real_check, capsys):
+    with pytest.raises(ValueError) as real:
+        real_check()
+    assert main(["--preset", "llama2-70b", "--seq-len", "16", *argv]) == 2
+    assert capsys.readouterr().err == f"error: {real.value}\n"
+    assert not dist.is_initialized()
+
+
+def test_command_line_prints_one_json_object(capsys):
+    import json
+    assert main(["--preset", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--rank", "7", "--seq-len", "16",
+                 "--num-microbatches", "2", "--zero", "1", "--dtype", "fp32"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["rank"] == 7 and run["coords"] == {"dp": 1, "tp": 1, "pp": 1}
+    assert set(run["state_bytes"]) == {"weights", "grads", "optimizer", "total"}
+    assert set(run["sent_bytes"]) == set(run["ops"]) == {"tp", "pp", "dp"}
+    assert run["state_bytes"]["weights"] == 4 * params_per_rank(TINY, Mesh(dp=2, tp=2, pp=2), 1)
+
+
+def test_fake_world_is_gone_afterwards_and_refuses_a_second():
+    with fake_world(4, 1):
+        assert dist.get_world_size() == 4 and dist.get_rank() == 1
+        with pytest.raises(RuntimeError, match="already exists"):
+            with fake_world(4, 2):
+                pass
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------- the change it needed in ZeroDataParallel
+
+def _all_backwards_inside_no_sync(rank, world_size):
+    """Per stage: every micro-step's backward inside no_sync(), then finish_gradient_sync() (as a pipeline
+    must), against the usual way (the last backward outside). float64 and SGD: the same sums, same order."""
+    config = preset("tiny", num_layers=2)
+    tokens = torch.randint(0, config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for stage in range(4):
+        for pipeline_way in (False, True):
+            model = ZeroDataParallel(build(config, dtype=torch.float64), Comm(), stage=stage,
+                                     optimizer_class=torch.optim.SGD, lr=0.1)
+            for step in range(2):
+                with model.no_sync():
+                    loss_fn(model(tokens[:2]), tokens[:2]).backward()
+                    if pipeline_way:
+                        loss_fn(model(tokens[2:]), tokens[2:]).backward()
+                if pipeline_way:
+                    model.finish_gradient_sync()
+                else:
+                    loss_fn(model(tokens[2:]), tokens[2:]).backward()
+                model.step()
+            results[stage, pipeline_way] = model.full_parameters()
+    return results
+
+
+@pytest.mark.ranks
+def test_finish_gradient_sync_equals_the_last_backward_outside_no_sync():
+    for results in launch(_all_backwards_inside_no_sync, 2, timeout=120):
+        for stage in range(4):
+            assert torch.equal(results[stage, True], results[stage, False]), stage
