@@ -176,8 +176,9 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
       previous stage (not from the first);
     * dp: one all-reduce of this rank's gradients, 2(dp-1)/dp · params_per_rank · bytes.
 
-    ``sequence_parallel`` (Megatron's; the course runs none yet): each all-reduce becomes a reduce-scatter and
-    an all-gather, (tp-1)/tp · a each, the same bytes; the stages pass 1/tp of the sequence, a/tp.
+    ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
+    becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes; Megatron's stages pass 1/tp
+    of the sequence, a/tp (the course's pipeline_step passes whole activations: the virtual cluster says so).
     """
     activation = tp_allreduce_bytes(batch_size // mesh.dp // num_microbatches, seq_len, config.hidden,
                                     bytes_per_element)

@@ -41,11 +41,10 @@ Hand-offs. A message takes a latency h to arrive. GPipe pays it once per boundar
 the way back (a stage's ops then run back to back); in 1F1B's steady state every op waits for a neighbour, so
 h is paid at every op. `simulate(..., latency_s=h)` predicts both.
 
-More schedules (course_lib/schedules.py). Interleaved 1F1B gives each rank v chunks (virtual stages s, s + p,
-…; `make_stage(..., num_chunks=v)`) and divides the fill and drain by v: bubble (p - 1)/(v·m + p - 1), at v
-times the messages. ZB-H1 splits each backward into B (the input's gradient, sent upstream at once) and W (the
-weights', deferred to fill the drain): idle (p - 1)·(T_F + T_B - T_W) instead of (p - 1)·(T_F + T_B + T_W).
-`simulate` and `pipeline_step` run any of them: an action is ("F"|"B"|"W", micro-batch[, chunk]).
+More schedules (course_lib/schedules.py): interleaved 1F1B, v chunks per rank (`make_stage(..., num_chunks=v)`),
+bubble (p - 1)/(v·m + p - 1) for v times the messages; ZB-H1, each backward split into B (the input's gradient,
+sent at once) and W (the weights', deferred into the drain), idle (p - 1)·(T_F + T_B - T_W) where 1F1B idles
+(p - 1)·(T_F + T_B + T_W). `simulate` and `pipeline_step` run them all: actions ("F"|"B"|"W", k[, chunk]).
 
 Controlled cost. A `StepRecorder` given forward_s / backward_s pads every op with sleep to exactly that
 duration (the real compute runs inside it; `pipeline_worker(compute=False)` swaps in a stage that computes
@@ -79,7 +78,7 @@ def bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1)
     """(p - 1) / (v·m + p - 1): the share of the makespan each rank waits, with equal op costs; v = num_chunks
     per rank (interleaved 1F1B; 1 for GPipe and 1F1B). Megatron-LM's papers divide the same idle time by the
     ideal time m·(t_f + t_b) instead: (p - 1)/(v·m); the two convert as b = b_ideal / (1 + b_ideal)."""
-    if num_stages < 1 or num_microbatches < 1 or num_chunks < 1:
+    if min(num_stages, num_microbatches, num_chunks) < 1:
         raise ValueError(f"num_stages={num_stages}, num_microbatches={num_microbatches} and num_chunks={num_chunks} "
                          "must all be >= 1")
     return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
@@ -87,8 +86,8 @@ def bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1)
 
 def pipeline_makespan(num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
                       num_chunks: int = 1) -> float:
-    """(m + (p - 1)/v)·(t_f + t_b): one step's duration with equal op costs and instant communication; t_f and
-    t_b are a rank's whole forward and backward of one micro-batch (each of its v chunks takes 1/v of them)."""
+    """(m + (p - 1)/v)·(t_f + t_b): a step with equal op costs and instant messages (t_f, t_b: a rank's whole
+    forward and backward of a micro-batch; each of its v chunks takes 1/v)."""
     return (num_chunks * num_microbatches + num_stages - 1) * (forward_s + backward_s) / num_chunks
 
 
@@ -198,6 +197,7 @@ class Event:
     start: float       # seconds since the step began
     end: float
     chunk: int = 0     # which of the rank's chunks (interleaved schedules)
+
 
 @dataclass
 class Timeline:
@@ -343,12 +343,11 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     the other's send. The op then waits only for its own input (that wait is the rank's idle time); sends
     complete in the background and are waited for at the end of the step.
 
-    Split backward (schedules with W ops). B: torch.autograd.grad(out, x, grad, retain_graph=True), dL/dx, sent
-    upstream at once; W: torch.autograd.backward(out, grad, inputs=the chunk's parameters), later, on the graph
-    B kept. The simplest honest split, not the cheapest: W walks the graph again, recomputing the activation
-    gradients B computed (B + W ≈ 1.5 backwards of compute), and the whole graph stays alive until W. torch's
-    pipelining and the paper keep B's intermediate gradients instead, so that W does only the weight products.
-    The first virtual stage has no input gradient to send: its B does nothing, its W the whole backward.
+    Split backward (W ops). B: torch.autograd.grad(out, x, grad, retain_graph=True), dL/dx, sent upstream at once;
+    W, later: torch.autograd.backward(out, grad, inputs=the chunk's parameters) on the graph B kept. Simplest and
+    honest, not cheapest: W walks the graph again, recomputing B's activation gradients (B + W ≈ 1.5 backwards),
+    and the graph lives until W (torch and the paper keep B's intermediate gradients: W then does only the weight
+    products). On the first virtual stage, with no input gradient to send, B does nothing and W all of it.
     """
     chunks = stage_chunks(stage_module)
     stage, num_stages, m = comm.rank, comm.size, num_microbatches

@@ -202,7 +202,8 @@ def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
         wait_for(lambda: last.count() > 0, 30, "the last cell's output")
     allowed = expected_errors(name)
     shown = [line for text in outputs.all_inner_texts() for line in ERROR_LINE.findall(text)]
-    unexpected = [line for line in shown if not any(line.startswith(a[:40]) for a in allowed)]
+    same = lambda line: re.sub(r"ranks? \[?[\d, ]+\]?", "rank N", line)[:60]  # noqa: E731  whichever rank failed first
+    unexpected = [line for line in shown if same(line) not in {same(a) for a in allowed}]
     assert not unexpected, f"{name}: errors not shown on purpose: {unexpected}"
 
 
@@ -226,8 +227,13 @@ def move_one_control_and_see_the_figure_change(page, name: str) -> None:
         other = next(v for v in select.locator("option").evaluate_all("os => os.map(o => o.value)") if v != current)
         select.select_option(other)
     elif sliders.count():
+        readout = cell.locator(".widget-readout").first
+        shown = readout.inner_text()
         sliders.first.focus()
         page.keyboard.press("ArrowRight")
+        time.sleep(1)
+        if readout.inner_text() == shown:        # at its maximum already: the other way
+            page.keyboard.press("ArrowLeft")
     else:
         toggles.first.click()
     wait_for(lambda: figure.count() == 1 and figure.get_attribute("src") != before, 120,
@@ -249,7 +255,8 @@ def test_a_learner_opens_a_notebook_runs_it_from_the_menu_and_moves_its_explorer
     open_fresh(page, lab, name)
     check_nothing_raw_and_no_answer_shown(page, name)
     clear_and_run_all(page, lab, name)
-    move_one_control_and_see_the_figure_change(page, name)
+    if "explorers." in (REPO / "notebooks" / name).read_text():   # notebooks with an explorer panel
+        move_one_control_and_see_the_figure_change(page, name)
 
 
 def test_a_learner_works_through_notebook_00_and_its_ranks(lab, page):

@@ -46,7 +46,7 @@ def pipeline_gantt(timeline, *, title: str | None = None, ax=None, in_flight: bo
         start, width = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
         ax.barh(e.rank, width, left=start, height=0.7, color=op_shade(e.kind, e.chunk, num_chunks), alpha=0.85,
                 edgecolor="white", lw=0.5)
-        if width > span / 60:
+        if width > span / (60 if num_chunks == 1 else 40):      # room for the label (wider with a subscript)
             label = str(e.microbatch) if num_chunks == 1 else f"${e.microbatch}_{{{e.chunk}}}$"
             ax.text(start + width / 2, e.rank, label, ha="center", va="center", fontsize=7,
                     color="white" if e.chunk == 0 else "black")
