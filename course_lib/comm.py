@@ -241,6 +241,8 @@ def measure_bandwidth(comm: Comm, op: str = "all_reduce", sizes_bytes=(2**10, 2*
             comm.barrier()
             start = time.perf_counter()
             run()
+            if full.is_cuda:
+                torch.cuda.synchronize()   # NCCL returns once the kernel is queued: wait for it to finish
             if i >= warmup:
                 times.append(time.perf_counter() - start)
         seconds = statistics.median_high(times)

@@ -2,6 +2,7 @@
 
     python -m course_lib.virtual --preset llama2-70b --dp 4 --tp 8 --pp 4 --rank 37 \\
         --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero 1 --recompute selective
+    python -m course_lib.virtual --preset mixtral-8x7b --dp 4 --cp 2 --ep 8 --pp 4 --rank 5 --seq-len 32768
 
 prints one JSON object: what rank 37 of 128 holds (training state, the peak of its saved activations over
 the schedule) and what it sends (bytes and ops on each axis), measured by running the course's own code.
@@ -33,6 +34,21 @@ each stage's two ends and its norm-weight all-reduces included: tensor_parallel.
 number computed: the pipeline's bytes. Megatron-LM passes s/tp of the sequence between stages; the course's
 pipeline_step passes whole activations [b, s, d], so the run sends plain TP's, and the formula's a/tp stands in.
 
+The two axes beyond 3D (``--cp``, ``--ep``; mesh.py lays them out):
+
+* cp runs: ``parallelize_3d`` applies ``apply_context_parallel`` (ring attention over the CP group) before TP,
+  each rank takes s/cp tokens of every sequence, and ZeRO averages over the dp × cp ranks (the "dp_cp" group).
+  Measured: state, activations (mesh.context_parallel_layer_terms), the ring's bytes ("cp") and the rest.
+  Sequence parallelism with cp > 1 is refused: apply_tp's SP would cut the rank's slice again, and ring
+  attention's positions assume it does not.
+* ep runs on a mixture-of-experts preset (mixtral-8x7b), tp 1: ``experts.apply_ep`` keeps this rank's E/ep
+  experts and sends tokens with all-to-all over the EP group (measured: "ep" bytes and ops, activations).
+  Computed, labelled so: state_bytes and sent_bytes.dp. The experts' gradients are averaged over the expert_dp
+  group (dp·cp/ep ranks) and everything else over dp_cp, and ZeroDataParallel averages over one group, so the
+  step runs no data-parallel wrapper; ledger.zero_state_bytes and zero.wire_bytes_per_step, each part over its
+  own group, stand in. The course's MoE layer has no activation formula (formulas says None), and no TP split
+  (apply_tp splits a dense MLP): a MoE model runs with tp 1.
+
 An exception to DESIGN.md's rule that ``launch`` makes the one process group: the fake group exists only
 inside :func:`fake_world`, in this process, and is destroyed on the way out; nothing real is ever connected.
 """
@@ -51,12 +67,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .context_parallel import apply_context_parallel
+from .experts import apply_ep
 from .ledger import RECOMPUTE, check_zero_stage, zero_state_bytes
 from .measure import measure_state_bytes
 from .mesh import (
     Mesh,
     activation_bytes_per_rank,
+    expert_params_per_rank,
     make_comms,
+    microbatches_in_flight,
     parallelize_3d,
     params_per_rank,
     sent_bytes_per_rank,
@@ -106,7 +126,7 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
     """The errors a real run would raise, before any group is made: the mesh's, ZeRO's and the schedule's
     own checks (the same messages), and the model's limit on the sequence."""
     mesh.check_model(config, batch_size=mesh.dp * micro_batch_size * num_microbatches,
-                     num_microbatches=num_microbatches)
+                     num_microbatches=num_microbatches, seq_len=seq_len)
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
     check_zero_stage(zero_stage)
@@ -120,6 +140,15 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
     if sequence_parallel and seq_len % mesh.tp:
         raise ValueError(f"seq_len={seq_len} is not divisible by tp={mesh.tp}: sequence parallelism gives each "
                          "rank seq_len/tp tokens")
+    if sequence_parallel and mesh.cp > 1:
+        raise ValueError(f"sequence_parallel with cp {mesh.cp} is not run: apply_tp's SP would cut each rank's "
+                         "slice of the sequence again, and ring attention's positions assume it does not")
+    if config.num_experts and mesh.tp > 1:
+        raise ValueError(f"tp {mesh.tp} with num_experts={config.num_experts}: the course's MoE layer has no "
+                         "tensor-parallel split (apply_tp splits a dense MLP); run a mixture of experts with tp 1")
+    if config.num_experts and recompute == "full":
+        raise ValueError("recompute='full' with a mixture of experts: its peak is a formula's, and the course "
+                         "has no activation formula for its MoE layer")
 
 
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
@@ -127,12 +156,12 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
              sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
-    Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens; the optimizer is
-    ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns). Returns a dict that
-    json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)), state_bytes,
+    Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
+    cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns).
+    Returns a dict that json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)), state_bytes,
     activation_bytes_peak, activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis,
-    per op: counts), measured / computed (which numbers are which), formulas (the same numbers from the
-    course's formulas, see :func:`formulas`), seconds.
+    per op: counts; "cp" and "ep" when those degrees are > 1), measured / computed (which numbers are which),
+    formulas (the same numbers from the course's formulas, see :func:`formulas`), seconds.
     """
     start = time.perf_counter()
     workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
@@ -141,33 +170,45 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     check_workload(config, mesh, **workload)
     coords = mesh.coords(rank)
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
-    # model's device (here meta), so each one saves its own ids, not a view of the whole batch's.
-    tokens = torch.zeros(micro_batch_size * num_microbatches, seq_len, dtype=torch.long)
+    # model's device (here meta), so each one saves its own ids, not a view of the whole batch's. With cp > 1
+    # these are this rank's s/cp tokens of each sequence (all zeros: any slice is the same).
+    tokens = torch.zeros(micro_batch_size * num_microbatches, seq_len // mesh.cp, dtype=torch.long)
+    axes = ("tp", "pp", "dp") + ("cp",) * (mesh.cp > 1) + ("ep",) * (mesh.ep > 1)
     with fake_world(mesh.size, rank):
         comms = make_comms(mesh, rank)
         model = build(config, device="meta", dtype=dtype)
-        if sequence_parallel and mesh.tp > 1:   # parallelize_3d's three steps, its apply_tp with SP
+        if mesh.ep > 1:   # parallelize_3d's steps with the experts spread, and no data-parallel wrapper
+            apply_ep(model, comms["ep"])
+            if mesh.cp > 1:
+                apply_context_parallel(model, comms["cp"])
+            stage = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
+            data_parallel = None
+        elif sequence_parallel and mesh.tp > 1:   # parallelize_3d's three steps, its apply_tp with SP
             apply_tp(model, comms["tp"], sequence_parallel=True)
-            stage_module = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
-            data_parallel = ZeroDataParallel(stage_module, comms["dp"], stage=zero_stage)
+            stage = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
+            data_parallel = ZeroDataParallel(stage, comms["dp"], stage=zero_stage)
         else:
             data_parallel = parallelize_3d(model, mesh, comms, rank, zero_stage=zero_stage)
-        stage = data_parallel.module
+            stage = data_parallel.module
         recorder = StepRecorder(stage, measure_memory=True)
+        traced = {**comms, "dp": comms["dp_cp"]}    # gradients are averaged over the dp × cp ranks
         with contextlib.ExitStack() as traces:
-            logs = {axis: traces.enter_context(comms[axis].trace()) for axis in ("tp", "pp", "dp")}
-            with MetaFlashAttention(), data_parallel.no_sync():   # one gradient reduction, after the schedule
+            logs = {axis: traces.enter_context(traced[axis].trace()) for axis in axes}
+            no_sync = data_parallel.no_sync() if data_parallel else contextlib.nullcontext()
+            with MetaFlashAttention(), no_sync:   # one gradient reduction, after the schedule
                 pipeline_step(stage, comms["pp"], tokens, tokens, num_microbatches=num_microbatches,
                               schedule=schedule, recorder=recorder)
-            data_parallel.finish_gradient_sync()
-            data_parallel.step()
-        state = measure_state_bytes(data_parallel, data_parallel.optimizer)
+            if data_parallel:
+                data_parallel.finish_gradient_sync()
+                data_parallel.step()
+                state = measure_state_bytes(data_parallel, data_parallel.optimizer)
     layers = [i for i, layer in enumerate(stage.layers) if not isinstance(layer, torch.nn.Identity)]
     # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
     result = {
         "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
         "layers": [layers[0], layers[-1] + 1],
-        "state_bytes": {part: state[part] for part in ("weights", "grads", "optimizer", "total")},
+        "state_bytes": ({part: state[part] for part in ("weights", "grads", "optimizer", "total")}
+                        if data_parallel else None),
         "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight),
         "activation_bytes_per_microbatch": next(nbytes for _, count, nbytes in recorder.in_flight if count == 1),
         "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
@@ -182,10 +223,21 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         result["activation_bytes_per_microbatch"] = result["formulas"]["activation_bytes_per_microbatch"]
         result["measured"].remove("activation_bytes_peak")
         result["computed"].append("activation_bytes_peak")
+    result["coords"].update({axis: coords[axis] for axis in ("cp", "ep") if axis in coords})
+    computed_sends = []
     if sequence_parallel:      # the course's pipeline passes whole activations; Megatron's, s/tp of them
-        result["sent_bytes"]["pp"] = result["formulas"]["sent_bytes"]["pp"]
-        result["measured"][result["measured"].index("sent_bytes")] = "sent_bytes.tp, sent_bytes.dp"
-        result["computed"].append("sent_bytes.pp")
+        computed_sends.append("pp")
+    if data_parallel is None:  # ep > 1: no data-parallel wrapper ran (module docstring)
+        result["state_bytes"] = result["formulas"]["state_bytes"]
+        result["measured"].remove("state_bytes")
+        result["computed"].insert(0, "state_bytes")
+        computed_sends.append("dp")
+    if computed_sends:
+        for axis in computed_sends:
+            result["sent_bytes"][axis] = result["formulas"]["sent_bytes"][axis]
+            result["computed"].append(f"sent_bytes.{axis}")
+        result["measured"][result["measured"].index("sent_bytes")] = ", ".join(
+            f"sent_bytes.{axis}" for axis in axes if axis not in computed_sends)
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -196,15 +248,23 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside: ledger.zero_state_bytes of mesh.params_per_rank (e bytes per weight and gradient, 12 of optimizer
     state), mesh.activation_bytes_per_rank, mesh.sent_bytes_per_rank (tp, pp) and zero.wire_bytes_per_step
-    (dp, one micro-step per micro-batch). These count no padding: ZeroDataParallel pads each unit (embedding,
-    each layer, final norm, head) to a multiple of dp, so where dp does not divide a unit the run holds and
-    sends a little more: fewer than dp parameters per unit (zero.padded_num_params counts them exactly)."""
+    (dp, one micro-step per micro-batch), "cp" and "ep" too when those degrees are > 1. These count no padding:
+    ZeroDataParallel pads each unit (embedding, each layer, final norm, head) to a multiple of dp, so where dp
+    does not divide a unit the run holds and sends a little more: fewer than dp parameters per unit
+    (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that hold the same
+    weights, a mixture's experts over their dp·cp/ep (expert_dp): each part's state and bytes over its own
+    group, added. A mixture of experts' activations have no formula: None."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
     params = params_per_rank(config, mesh, stage)
-    activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                            num_microbatches=num_microbatches, schedule=schedule, dtype=dtype,
-                                            recompute=recompute, sequence_parallel=sequence_parallel)
+    if config.num_experts:
+        activations = {"peak": None, "per_microbatch": None,
+                       "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
+    else:
+        activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
+                                                seq_len=seq_len, num_microbatches=num_microbatches,
+                                                schedule=schedule, dtype=dtype, recompute=recompute,
+                                                sequence_parallel=sequence_parallel)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
                                sequence_parallel=sequence_parallel)
@@ -212,8 +272,13 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
         sent["tp"] = num_microbatches * tp_step_traffic(config, micro_batch_size, seq_len, mesh.tp, e, True,
                                                         num_layers=layers)["wire_bytes_per_rank"]
-    sent["dp"] = sum(wire_bytes_per_step(params * e, zero_stage, mesh.dp, num_microbatches).values())
-    state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
+    experts, same_weights = expert_params_per_rank(config, mesh, stage), mesh.dp * mesh.cp
+    parts = [(params - experts, same_weights)] + ([(experts, same_weights // mesh.ep)] if experts else [])
+    sent["dp"] = sum(sum(wire_bytes_per_step(count * e, zero_stage, group, num_microbatches).values())
+                     for count, group in parts)
+    states = [zero_state_bytes(count, zero_stage, group, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
+              for count, group in parts]
+    state = {part: sum(s[part] for s in states) for part in states[0]}
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent}
@@ -224,10 +289,13 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="llama2-70b", help="a model of course_lib.model.PRESETS")
-    parser.add_argument("--world-size", type=int, help="all the ranks; dp = world / (tp × pp) if --dp is not given")
+    parser.add_argument("--world-size", type=int,
+                        help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
     parser.add_argument("--dp", type=int)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism: ring attention over s/cp tokens")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -241,9 +309,10 @@ def main(argv=None) -> int:
     try:
         config = preset(args.preset)
         if args.dp is None:
-            mesh = Mesh.for_world(args.world_size or args.tp * args.pp, tp=args.tp, pp=args.pp)
+            mesh = Mesh.for_world(args.world_size or args.cp * args.tp * args.pp, tp=args.tp, pp=args.pp,
+                                  cp=args.cp, ep=args.ep)
         else:
-            mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
+            mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
             if args.world_size is not None:
                 mesh.check(args.world_size)
         result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,

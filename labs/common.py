@@ -1,18 +1,30 @@
-"""What the labs share: their command line, the model they scale up, and who reports.
+"""What the labs share: their command line, the backend and precision they run in, and what they record.
 
 Each lab runs the same way on a laptop (``python labs/X.py``, gloo ranks via ``launch``) and on GPUs
-(``torchrun --nproc-per-node 8 labs/X.py``, NCCL); ``--hidden`` and ``--layers`` grow the tiny model for a GPU.
+(``torchrun --nproc-per-node 8 labs/X.py``, NCCL, one GPU per rank); ``--hidden`` and ``--layers`` grow the
+tiny model for a GPU. Every lab's JSON says where it ran (``backend``, ``device``, ``machine``, ``dtype``), so
+that course_lib.lab_results never shows a CPU run as a GPU result.
 """
 
 import argparse
+import contextlib
+import datetime
+import json
 import os
+import platform
 from pathlib import Path
+
+import torch
+
+from course_lib import device
 
 RESULTS = Path(os.path.relpath(Path(__file__).parent / "results"))  # printed as the reader would type it
 
 
-def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e-2) -> argparse.ArgumentParser:
-    """The arguments every lab takes; a lab adds its own (batch sizes, buckets, ...)."""
+def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e-2,
+               autocast: bool = True) -> argparse.ArgumentParser:
+    """The arguments every lab takes; a lab adds its own (batch sizes, buckets, ...). ``autocast=False``: the
+    lab fixes its own precision (ZeRO trains bf16 weights with MixedPrecisionAdam), so no --dtype."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", world_size)),
                         help="ranks to start here (under torchrun: its WORLD_SIZE)")
@@ -23,8 +35,103 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
     parser.add_argument("--layers", type=int, help="number of layers (default: the tiny model's 4)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
     parser.add_argument("--backend", choices=("gloo", "nccl"),
-                        help="default: NCCL when every local rank has a GPU, else gloo")
+                        help="default: nccl when every local rank has a GPU of its own, else gloo")
+    if autocast:
+        parser.add_argument("--dtype", choices=("bf16", "fp32"),
+                            help="bf16: matmuls in bfloat16 under torch.autocast, weights, gradients and optimizer "
+                                 "in float32 (default with nccl); fp32: float32 throughout (default with gloo)")
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The lab's arguments, with the backend and dtype settled here, before any rank starts: a world that
+    cannot run stops at once with a usage error, instead of in N processes."""
+    args = parser.parse_args(argv)
+    try:
+        args.backend = choose_backend(args.backend, args.world_size)
+    except ValueError as error:
+        parser.error(str(error))
+    if hasattr(args, "dtype") and args.dtype is None:   # not given: what training on that device would use
+        args.dtype = "bf16" if args.backend == "nccl" else "fp32"
+    return args
+
+
+def local_ranks(world_size: int) -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE (its --nproc-per-node), else the whole world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def choose_backend(requested: str | None, world_size: int) -> str:
+    """NCCL when every rank on this machine can have a GPU of its own (the default), gloo otherwise.
+
+    NCCL runs one rank per GPU (course_lib.launch.device() is cuda:LOCAL_RANK), so asking for it with more
+    local ranks than GPUs is refused here, with the two ways out."""
+    ranks, gpus = local_ranks(world_size), torch.cuda.device_count()   # device_count is 0 without CUDA
+    if requested is None:
+        return "nccl" if gpus >= ranks else "gloo"
+    if requested == "nccl" and gpus < ranks:
+        fewer = "--nproc-per-node" if "LOCAL_WORLD_SIZE" in os.environ else "--world-size"
+        where = " on this node" if fewer == "--nproc-per-node" else ""
+        way_out = f"use {fewer} {gpus} or --backend gloo" if gpus else "use --backend gloo"
+        raise ValueError(f"NCCL needs one GPU per rank: {ranks} rank{'s' * (ranks != 1)}{where}, "
+                         f"{gpus} GPU{'s' * (gpus != 1)}; {way_out}")
+    return requested
+
+
+def autocast(dtype: str):
+    """The context a rank computes in: torch.autocast to bfloat16 for ``dtype="bf16"`` (on the rank's device,
+    GPU or CPU), nothing for "fp32". Weights, gradients and optimizer state stay float32 either way.
+
+    Labs that own their loop put only forward and loss inside it, as torch advises; labs that call one of
+    course_lib.runs' loops wrap the whole step (backward then runs each op in the dtype its forward op used,
+    which is what autocast does anyway)."""
+    return torch.autocast(device().type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+def reset_peak_memory() -> None:
+    """Start counting this rank's peak GPU memory afresh (nothing to count on a CPU)."""
+    if device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device())
+
+
+def peak_memory() -> int | None:
+    """torch.cuda.max_memory_allocated of this rank's GPU since the last reset, in bytes; None on a CPU, where
+    the caching allocator does not exist (and RSS counts torch itself: useless here)."""
+    return torch.cuda.max_memory_allocated(device()) if device().type == "cuda" else None
+
+
+def cpu_model() -> str:
+    """The CPU's name as the kernel reports it, e.g. "AMD EPYC 7B13"; the architecture where it does not."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine(backend: str, world_size: int) -> str:
+    """What the ranks ran on, for a reader of the results: "8 × NVIDIA H100 80GB HBM3" (with "2 nodes × "
+    in front when the world spans nodes), or "AMD EPYC 7B13 (2 cores)"."""
+    if backend != "nccl":
+        return f"{cpu_model()} ({len(os.sched_getaffinity(0))} cores)"
+    per_node = local_ranks(world_size)
+    nodes = world_size // per_node
+    return f"{f'{nodes} nodes × ' if nodes > 1 else ''}{per_node} × {torch.cuda.get_device_name(0)}"
+
+
+def run_info(args) -> dict:
+    """Where and how this run happened: the keys course_lib.lab_results reads to label it honestly."""
+    return {"world_size": args.world_size, "backend": args.backend, "device": "cuda" if args.backend == "nccl" else "cpu",
+            "machine": machine(args.backend, args.world_size), "dtype": getattr(args, "dtype", None),
+            "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+
+
+def write_record(args, name: str, record: dict) -> Path:
+    """Write ``record`` with run_info to ``args.out``/``name``.json and return the path."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps({**record, **run_info(args)}, indent=1))
+    return path
 
 
 def model_overrides(args) -> dict:
@@ -38,6 +145,13 @@ def model_overrides(args) -> dict:
     if args.hidden:
         overrides.update(widened(args.hidden))
     return overrides
+
+
+def fp32_adam_state_bytes(num_params: int) -> int:
+    """The ledger's training state of fp32 Adam, 4 + 4 + 8 = 16 bytes per parameter (ledger.CONVENTIONS)."""
+    from course_lib.ledger import CONVENTIONS, zero_state_bytes
+
+    return zero_state_bytes(num_params, 0, 1, **CONVENTIONS["fp32"].per_param)["total"]
 
 
 def reports() -> bool:

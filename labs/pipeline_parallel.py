@@ -14,40 +14,65 @@ schedule (GPipe, 1F1B) and each number of micro-batches m, one training step run
 Small models are also checked against one process on the whole batch (loss). Prints a table, and writes
 labs/results/pipeline_parallel.json and .png (the bubble curve with the measurements, and one Gantt chart).
 It runs on gloo (CPU) or NCCL (one GPU per rank): the executor posts every send and receive from the main
-thread, batched as Megatron-LM does (see course_lib/pipeline_parallel.py).
+thread, batched as Megatron-LM does (see course_lib/pipeline_parallel.py). On GPUs every step runs under bf16
+autocast by default (--dtype fp32 to compare; the activations passed between stages stay fp32, the residual
+stream's dtype), and each row holds every stage's torch.cuda.max_memory_allocated beside the ledger's state of
+a stage, its weights and gradients (4 + 4 bytes per parameter; the lab takes no optimizer step).
 """
 
-import json
-
-from common import lab_parser, model_overrides, reports
+from common import autocast, lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
+from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, preset
-from course_lib.pipeline_parallel import Timeline, bubble_fraction
-from course_lib.runs.pipeline import pipeline_sweep, single_process_step
+from course_lib.pipeline_parallel import Timeline, bubble_fraction, make_stage, partition_layers
+from course_lib.runs.pipeline import pipeline_worker, single_process_step
 
 
-def main():
+def sweep(rank, world_size, *, runs, dtype, **common):
+    """pipeline_worker for each run in turn (as runs.pipeline.pipeline_sweep), in ``dtype``, with this rank's
+    peak GPU memory during each run."""
+    results = []
+    for run in runs:
+        reset_peak_memory()
+        with autocast(dtype):
+            result = pipeline_worker(rank, world_size, **common, **run)
+        results.append({**result, "max_memory_allocated": peak_memory()})
+    return results
+
+
+def stage_state_bytes(config, p: int) -> list[int]:
+    """The ledger's state of each stage: its weights and gradients, 4 + 4 bytes per parameter (no optimizer),
+    its parameters counted on a stage cut from the model on the meta device (no memory) as every rank cuts it."""
+    parts = partition_layers(config.num_layers, p)
+    params = [sum(t.numel() for t in make_stage(build(config, device="meta"), s, parts).parameters())
+              for s in range(p)]
+    return [zero_state_bytes(n, 0, 1, weight_bytes=4, grad_bytes=4, optimizer_bytes=0)["total"] for n in params]
+
+
+def main(argv=None):
     parser = lab_parser(__doc__, world_size=4, steps=3)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--op-ms", type=float, default=40.0, help="controlled cost of each forward and backward")
     parser.add_argument("--batch", type=int, help="rows per step (default: 2 × the largest micro-batch count)")
     parser.add_argument("--real", action="store_true", help="also run each step with real compute (its time)")
     parser.set_defaults(seq_len=8)
-    args = parser.parse_args()
+    args = parse(parser, argv)
     p, batch = args.world_size, args.batch or 2 * max(args.microbatches)
     overrides = {**model_overrides(args), "num_layers": args.layers or max(4, p)}   # a layer per stage at least
     runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.microbatches]
     common = dict(batch_size=batch, seq_len=args.seq_len, **overrides)
     weights = build(preset("tiny", **overrides), seed=0).state_dict()   # built once, copied by every rank
-    controlled = launch(pipeline_sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
-                        measure_memory=True, weights=weights, **common)
-    real = (launch(pipeline_sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, **common)
-            if args.real else None)
+    controlled = launch(sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
+                        measure_memory=True, weights=weights, dtype=args.dtype, **common)
+    real = (launch(sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, dtype=args.dtype,
+                   **common) if args.real else None)
     if not reports():
-        return
+        return None
+    predicted_state = stage_state_bytes(preset("tiny", **overrides), p)
     reference = single_process_step(**common)[0] if overrides.get("hidden", 64) <= 256 else None
     rows = []
-    print(f"\n{'sched':>6} {'m':>4} {'formula':>8} {'measured':>9} {'gap':>7} {'in flight (stage 0)':>20} "
+    print(f"\n{p} stages ({args.backend}, {args.dtype}), batch {batch} × {args.seq_len} tokens")
+    print(f"{'sched':>6} {'m':>4} {'formula':>8} {'measured':>9} {'gap':>7} {'in flight (stage 0)':>20} "
           f"{'saved KiB (stage 0)':>20} {'real step ms':>13} {'loss - 1 process':>17}")
     for i, run in enumerate(runs):
         timeline = Timeline.from_results([ranks[i] for ranks in controlled])
@@ -55,7 +80,9 @@ def main():
                "idle_fractions": timeline.idle_fractions, "overruns": timeline.overruns,
                "peak_in_flight": [timeline.peak_in_flight(s) for s in range(p)],
                "peak_saved_bytes": [timeline.peak_in_flight_bytes(s) for s in range(p)],
-               "loss": controlled[-1][i]["loss"]}
+               "loss": controlled[-1][i]["loss"],
+               "max_memory_allocated": [ranks[i]["max_memory_allocated"] for ranks in controlled],
+               "predicted_state_bytes": predicted_state}
         if real:
             real_timeline = Timeline.from_results([ranks[i] for ranks in real])
             row["real_step_s"] = real_timeline.makespan
@@ -69,12 +96,15 @@ def main():
     worst = max(abs(r["measured"] - r["formula"]) for r in rows)
     print(f"max bubble gap: {worst:.3f}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    peaks = [row["max_memory_allocated"] for row in rows]
     record = {"stages": p, "batch": batch, "seq_len": args.seq_len, "op_ms": args.op_ms, "model": overrides,
-              "single_process_loss": reference, "rows": rows, "max_bubble_gap": worst}
-    (args.out / "pipeline_parallel.json").write_text(json.dumps(record, indent=1))
+              "single_process_loss": reference, "rows": rows, "max_bubble_gap": worst,
+              "max_memory_allocated": [None if None in stage else max(stage) for stage in zip(*peaks)],
+              "predicted_state_bytes": predicted_state}
+    path = write_record(args, "pipeline_parallel", record)
     save_figure(args, p, rows, controlled, runs)
-    print(f"wrote {args.out / 'pipeline_parallel.json'} and .png")
+    print(f"wrote {path} and .png")
+    return record
 
 
 def save_figure(args, p, rows, controlled, runs):

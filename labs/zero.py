@@ -12,15 +12,17 @@ step, traced (ours) against zero.wire_bytes_per_step (stages 0, 1, 2: 2Ψ(N-1)/N
 median step time (slowest rank); the last loss, averaged over ranks. It checks that the measured state equals
 the formula, and reports how far torch's runs end from ours at the same stage (on 2 ranks: bit-identical; on
 more, bf16 sums in another order: about one bf16 step, 2**-7 relative). Writes labs/results/zero.json and zero.png (the
-state of every rank, every stage) for notebook 03 to show beside the learner's CPU run.
+state of every rank, every stage) for notebook 03 to show beside the learner's CPU run. On GPUs (NCCL, one GPU
+per rank) each run also records every rank's torch.cuda.max_memory_allocated beside the ledger's state: the
+state plus one step's activations and the gathered weights in flight. The weights are bf16 already, so this lab
+has no --dtype: mixed precision here is MixedPrecisionAdam's fp32 master copy, not autocast.
 """
 
-import json
 import statistics
 
 import torch
 
-from common import lab_parser, model_overrides, reports
+from common import lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, count_params, preset
@@ -33,25 +35,28 @@ RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 
 def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
     results = {}
     for impl, stage in RUNS:
+        reset_peak_memory()                           # each run's peak is its own: the last run's model is freed
         run = train(rank, world_size, impl=impl, stage=stage, steps=steps, per_rank_batch=per_rank_batch,
                     seq_len=seq_len, lr=lr, optimizer="mixed", dtype=torch.bfloat16, config=config, progress=True)
         run["params"] = run["params"].float()         # bf16 weights, sent back as fp32 for the comparison
+        run["max_memory_allocated"] = peak_memory()
         results[f"{impl} {stage}"] = run
     results["backend"] = torch.distributed.get_backend()
     return results
 
 
-def main():
-    parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3)
+def main(argv=None):
+    parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3, autocast=False)
     parser.add_argument("--per-rank-batch", type=int, default=4)
-    args = parser.parse_args()
+    parser.set_defaults(dtype="bf16")                 # recorded with the results: bf16 weights and gradients
+    args = parse(parser, argv)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     per_rank = launch(every_run, args.world_size, backend=args.backend, config=config, steps=args.steps,
                       per_rank_batch=args.per_rank_batch,
                       seq_len=args.seq_len, lr=args.lr, timeout=3600)
     if not reports():
-        return
+        return None
     n = args.world_size
     params = count_params(config)
     padded = padded_num_params(build(config, device="meta"), n)
@@ -82,16 +87,22 @@ def main():
         record["runs"][key] = {"impl": impl, "stage": stage, "state_per_rank": [r["state"] for r in runs],
                                "predicted_state": predicted, "wire_bytes": wire, "predicted_wire_bytes": wire_predicted,
                                "step_seconds": step, "losses": [sum(x) / n for x in zip(*(r["losses"] for r in runs))],
-                               "bytes_written": runs[0]["bytes_written"][-1], "max_weight_gap_vs_ours": gap}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "zero.json").write_text(json.dumps(record, indent=1))
+                               "bytes_written": runs[0]["bytes_written"][-1], "max_weight_gap_vs_ours": gap,
+                               "max_memory_allocated": [r["max_memory_allocated"] for r in runs],
+                               "predicted_state_bytes": [predicted["total"]] * n}
+    every = record["runs"].values()   # the whole lab: each rank's highest peak, the largest state predicted
+    record["max_memory_allocated"] = [None if None in peaks else max(peaks)
+                                      for peaks in zip(*(run["max_memory_allocated"] for run in every))]
+    record["predicted_state_bytes"] = [max(run["predicted_state_bytes"][0] for run in every)] * n
+    path = write_record(args, "zero", record)
     from course_lib.plots import zero_per_rank_bars
     unit = ("GiB", 2**30) if predicted["total"] > 2**31 else ("MiB", 2**20) if predicted["total"] > 2**21 else ("KiB", 2**10)
     measured = {n: {s: record["runs"][f"ours {s}"]["state_per_rank"] for s in range(4)}}
     formula = {n: {s: record["runs"][f"ours {s}"]["predicted_state"]["total"] for s in range(4)}}
     zero_per_rank_bars(measured, formula, unit=unit, title=f"{params:,} parameters on {n} ranks: training state per "
                        "rank, measured (bars) and zero_state_bytes (line)").savefig(args.out / "zero.png", dpi=100)
-    print(f"\nwrote {args.out / 'zero.json'} and .png")
+    print(f"\nwrote {path} and .png")
+    return record
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
     wait_for(lambda: queued.count() > 0, 30, "run-all to start")
     wait_for(lambda: queued.count() == 0 and kernel_state(url, token) == "idle", seconds, f"{name} to finish")
     prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-    assert not [p for p in prompts if re.fullmatch(r"\[\s*\]:", p.strip())], f"{name}: Run All stopped early"
+    errors = [line for text in outputs.all_inner_texts() for line in ERROR_LINE.findall(text)]
+    assert not [p for p in prompts if re.fullmatch(r"\[\s*\]:", p.strip())], f"{name}: Run All stopped at {errors}"
     # A cell's output and its "done" reply travel on two channels: on a busy machine the prompt can change
     # before the last output is drawn.
     last = page.locator(".jp-CodeCell").last.locator(".jp-OutputArea-output")

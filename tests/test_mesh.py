@@ -165,3 +165,179 @@ def test_the_lab_runs_under_torchrun_and_checks_its_bytes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "traced bytes = formula on every rank" in out.stdout
     assert (tmp_path / "parallel_3d.json").exists() and (tmp_path / "parallel_3d.png").exists()
+
+
+# ------------------------------------------------------------ beyond 3D: context (cp) and expert (ep) parallelism
+
+def test_cp_sits_between_dp_and_tp_and_ep_is_carved_out_of_dp_times_cp():
+    mesh = Mesh(dp=2, cp=2, tp=2, pp=2, ep=2)
+    assert [mesh.coords(r)["tp"] for r in range(16)] == [0, 1] * 8
+    assert [mesh.coords(r)["cp"] for r in range(16)] == [0, 0, 1, 1] * 4       # next to tp
+    assert [mesh.coords(r)["pp"] for r in range(16)] == [0] * 8 + [1] * 8
+    assert mesh.coords(13) == {"pp": 1, "dp": 1, "cp": 0, "tp": 1, "ep": 0}
+    assert all(mesh.rank_of(**mesh.coords(r)) == r for r in range(16))
+    assert mesh.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert mesh.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    # ep = 2 consecutive ranks of each dp_cp group (here one CP group); expert_dp: the same experts
+    assert mesh.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert mesh.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    for axis in ("pp", "dp", "cp", "tp", "dp_cp", "ep", "expert_dp"):   # disjoint groups that cover the world
+        assert sorted(r for g in mesh.groups(axis) for r in g) == list(range(16)), axis
+    assert mesh.grid().shape == (2, 2, 2, 2) and mesh.grid()[1, 1, 0, 1] == 13
+    assert Mesh(dp=4, ep=4).groups("ep") == [[0, 1, 2, 3]] and Mesh(dp=4, ep=2).groups("ep") == [[0, 1], [2, 3]]
+    # cp = ep = 1 is the 3-D mesh of before, print and all
+    plain = Mesh(dp=2, tp=2, pp=2, cp=1, ep=1)
+    assert plain == Mesh(dp=2, tp=2, pp=2) and repr(plain) == "Mesh(dp=2, tp=2, pp=2)"
+    assert plain.coords(6) == {"pp": 1, "dp": 1, "tp": 0} and plain.grid().shape == (2, 2, 2)
+    assert plain.groups("cp") == [[r] for r in range(8)] and plain.groups("dp_cp") == plain.groups("dp")
+    assert repr(mesh) == "Mesh(dp=2, tp=2, pp=2, cp=2, ep=2)"
+
+
+def test_cp_and_ep_groups_match_torchs_device_mesh():
+    """Each rank of a fake 16-rank world (in this process): torch's init_device_mesh ("pp", "dp", "cp", "tp"),
+    its flattened dp × cp, and torchtitan's EP construction (ep = dp_shard_in_ep × cp) give our groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.virtual import fake_world
+
+    def ranks_of(device_mesh):
+        return dist.get_process_group_ranks(device_mesh.get_group())
+
+    grid, experts = Mesh(dp=2, cp=2, tp=2, pp=2), Mesh(dp=4, cp=2, tp=2, ep=4)
+    for rank in range(16):
+        with fake_world(16, rank):
+            theirs = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("pp", "dp", "cp", "tp"))
+            assert theirs.mesh.tolist() == grid.grid().tolist()
+            for axis in ("pp", "dp", "cp", "tp"):
+                assert sorted(ranks_of(theirs[axis])) == grid.group_of(rank, axis), (rank, axis)
+            assert sorted(ranks_of(theirs["dp", "cp"]._flatten("dp_cp"))) == grid.group_of(rank, "dp_cp")
+            # torchtitan: dp = dp_shard_mod_ep × dp_shard_in_ep, ep = dp_shard_in_ep × cp (here 2 × 2 × 2, tp 2)
+            titan = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("mod_ep", "in_ep", "cp", "tp"))
+            assert sorted(ranks_of(titan["in_ep", "cp"]._flatten("ep"))) == experts.group_of(rank, "ep")
+            assert sorted(ranks_of(titan["mod_ep"])) == experts.group_of(rank, "expert_dp")
+
+
+def test_bad_cp_and_ep_meshes_name_every_factor():
+    with pytest.raises(ValueError, match=r"world_size 12 != dp 2 × cp 2 × tp 2 × pp 2 = 16"):
+        Mesh(dp=2, cp=2, tp=2, pp=2).check(12)
+    with pytest.raises(ValueError, match=r"ep 3 does not divide dp 2 × cp 2 = 4"):
+        Mesh(dp=2, cp=2, ep=3)
+    with pytest.raises(ValueError, match=r"world_size 12 is not divisible by cp 4 × tp 2 × pp 1 = 8"):
+        Mesh.for_world(12, tp=2, cp=4)
+    assert Mesh.for_world(16, tp=2, pp=2, cp=2, ep=2) == Mesh(dp=2, cp=2, tp=2, pp=2, ep=2)
+    for bad in ({"cp": 0}, {"ep": 1.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            Mesh(**bad)
+    with pytest.raises(ValueError, match=r"num_experts=8 cannot split over ep=3"):
+        Mesh(dp=3, ep=3).check_model(preset("mixtral-8x7b"))
+    with pytest.raises(ValueError, match=r"ep 2 needs a mixture of experts: this model has num_experts=0"):
+        Mesh(dp=2, ep=2).check_model(preset("tiny"))
+    # 100 divides by 2·cp = 4; by 2·cp = 6 it does not
+    Mesh(cp=2).check_model(preset("tiny"), seq_len=100)
+    with pytest.raises(ValueError, match=r"seq_len 100 is not divisible by 2·cp = 6 \(load-balanced context "):
+        Mesh(cp=3).check_model(preset("tiny"), seq_len=100)
+    assert Mesh(dp=2, ep=2).rank_of(dp=1, ep=1) == 1
+    with pytest.raises(ValueError, match=r"ep 0 does not fit dp 1, cp 0: .* its ep coordinate is 1"):
+        Mesh(dp=2, ep=2).rank_of(dp=1, ep=0)
+    from course_lib.mesh import parallelize_3d
+    from course_lib.model import build
+    with pytest.raises(ValueError, match=r"parallelize_3d runs ep 1 only"):
+        parallelize_3d(build(preset("tiny", num_experts=4), device="meta"), Mesh(dp=2, ep=2), {}, 0)
+
+
+@pytest.mark.parametrize("name, mesh", [("mixtral-8x7b", Mesh(dp=8, ep=8)), ("mixtral-8x7b", Mesh(dp=2, cp=2, ep=2, pp=4)),
+                                        ("tiny-moe", Mesh(dp=2, ep=4, cp=2, pp=2))])
+def test_params_per_rank_with_ep_counts_what_apply_ep_and_make_stage_keep(name, mesh):
+    from course_lib.comm import Comm
+    from course_lib.experts import apply_ep
+    from course_lib.model import build
+    from course_lib.pipeline_parallel import make_stage, partition_layers
+    from course_lib.virtual import fake_world
+
+    config = preset("tiny", num_experts=4) if name == "tiny-moe" else preset(name)
+    for stage in range(mesh.pp):
+        rank = mesh.rank_of(pp=stage, dp=mesh.dp - 1, cp=mesh.cp - 1)
+        with fake_world(mesh.size, rank):
+            model = apply_ep(build(config, device="meta"), Comm(dist.new_group(mesh.group_of(rank, "ep"))))
+            held = make_stage(model, stage, partition_layers(config.num_layers, mesh.pp))
+            assert sum(p.numel() for p in held.parameters()) == params_per_rank(config, mesh, stage)
+    # the E - E/ep experts it does not hold, every layer: all that EP takes away (CP takes no weights away)
+    whole, mine = params_per_rank(config, Mesh(pp=mesh.pp), 0), params_per_rank(config, mesh, 0)
+    layers = config.num_layers // mesh.pp
+    experts_away = config.num_experts - config.num_experts // mesh.ep
+    assert whole - mine == layers * experts_away * 3 * config.hidden * config.intermediate
+
+
+def test_activations_scale_by_one_over_cp_but_for_one_copy():
+    """Every saved tensor of a layer is a token's, so each of cp ranks saves 1/cp of it; the one extra is
+    o_proj's input, a copy of ring attention's output (mesh.context_parallel_layer_terms). Llama-2-7B has
+    kv_heads = heads, so the ring's K and V are the model's own; only the loss's 4-byte weight sum stays whole."""
+    from course_lib.mesh import activation_bytes_per_rank
+
+    config, b, s, cp = preset("llama2-7b"), 1, 4096, 4
+    whole, mine = (activation_bytes_per_rank(config, mesh, 0, micro_batch_size=b, seq_len=s, num_microbatches=1)
+                   ["per_microbatch"] for mesh in (Mesh(), Mesh(cp=cp)))
+    o_proj_copies = config.num_layers * b * (s // cp) * config.hidden * 2
+    assert mine == (whole - 4) // cp + 4 + o_proj_copies
+    assert mine < whole / cp * 1.15
+
+
+def test_bytes_sent_gain_cp_and_ep_entries():
+    """The ring's K/V and its dK/dV, and the all-to-alls, from their definitions: Llama-2-70B over cp 4 and
+    tp 8 (1 of 8 KV heads per rank), Mixtral 8x7B over ep 8 (capacity = all of a rank's tokens: nothing dropped)."""
+    big, m, b = preset("llama2-70b"), 4, 2                      # b sequences per micro-batch and dp rank
+    mesh = Mesh(dp=2, cp=4, tp=8, pp=4)
+    sent = sent_bytes_per_rank(big, mesh, 1, batch_size=mesh.dp * m * b, seq_len=4096, num_microbatches=m,
+                               bytes_per_element=2)
+    block = 2 * b * (big.num_kv_heads // 8) * (4096 // 4) * big.head_dim      # K and V of one rank, values
+    per_layer = 2 * 3 * block * 2 + 4 * block * 4              # cp-1 bf16 hops forward and backward; cp of fp32 dK/dV
+    assert sent["cp"] == (big.num_layers // 4) * m * per_layer
+    assert sent["tp"] == 4 * 20 * m * 2 * 7 / 8 * (b * 1024 * big.hidden * 2)   # activations of s/cp tokens
+    assert set(sent) == {"tp", "pp", "dp", "cp"}
+    moe, ep = preset("mixtral-8x7b"), Mesh(dp=8, ep=8)
+    sent = sent_bytes_per_rank(moe, ep, 0, batch_size=8 * m, seq_len=4096, num_microbatches=m, bytes_per_element=2)
+    tokens = 1 * 4096
+    assert sent["ep"] == 4 * moe.num_layers * m * 7 / 8 * (8 * tokens * moe.hidden * 2)
+    experts = moe.num_layers * 1 * 3 * moe.hidden * moe.intermediate             # 8 experts / ep 8 = 1 per layer
+    dense = params_per_rank(moe, ep, 0) - experts
+    assert sent["dp"] == 2 * 7 / 8 * dense * 2       # the experts: their expert_dp group is this rank alone, 0 bytes
+    assert set(sent_bytes_per_rank(preset("tiny"), Mesh(dp=2), 0, batch_size=2, seq_len=8, num_microbatches=1)) \
+        == {"tp", "pp", "dp"}
+
+
+def _cp_tp_gradients(rank, world_size):
+    """One forward and backward of the tiny model in float64 on a cp 2 × tp 2 mesh, split by parallelize_3d:
+    each rank's loss over its half of the tokens, and the gradients of the weights TP leaves whole, averaged over
+    dp_cp (the two CP ranks)."""
+    from course_lib.context_parallel import shard_sequence
+    from course_lib.mesh import parallelize_3d
+    from course_lib.model import build, loss_fn
+
+    mesh = Mesh(cp=2, tp=2)
+    comms = make_comms(mesh, rank)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    wrapper = parallelize_3d(build(preset("tiny"), dtype=torch.float64), mesh, comms, rank)
+    inputs, targets = (shard_sequence(t, comms["cp"], dim=1) for t in (tokens[:, :-1], tokens[:, 1:]))
+    loss = loss_fn(wrapper.module(inputs), targets)
+    loss.backward()
+    wrapper.finish_gradient_sync()
+    whole = {name: p.grad for name, p in wrapper.module.named_parameters() if "norm" in name or "embed" in name}
+    return {"loss": loss.item(), "grads": whole, "tokens": tokens}
+
+
+def test_parallelize_3d_with_cp_and_tp_equals_one_process():
+    from course_lib.model import build, loss_fn
+
+    results = launch(_cp_tp_gradients, 4, backend="gloo")
+    tokens = results[0]["tokens"]
+    model = build(preset("tiny"), dtype=torch.float64)
+    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    for cp_pair in ((0, 2), (1, 3)):                       # each TP index: its two CP ranks hold half the tokens each
+        assert abs(sum(results[r]["loss"] for r in cp_pair) / 2 - loss.item()) <= F64
+    reference = dict(model.named_parameters())
+    for result in results:
+        assert len(result["grads"]) == 2 + 2 * 4               # embed, final norm, two norms per layer
+        for name, grad in result["grads"].items():
+            assert torch.allclose(grad, reference[name].grad, rtol=0, atol=1e-12), name

@@ -235,3 +235,106 @@ def test_finish_gradient_sync_equals_the_last_backward_outside_no_sync():
     for results in launch(_all_backwards_inside_no_sync, 2, timeout=120):
         for stage in range(4):
             assert torch.equal(results[stage, True], results[stage, False]), stage
+
+
+# ------------------------------------------------------------ beyond 3D: context (cp) and expert (ep) parallelism
+
+@pytest.mark.parametrize("rank_kind", ["first", "last"])
+def test_a_context_parallel_rank_runs_ring_attention_and_equals_the_formulas(rank_kind):
+    """cp 2 on the tiny model with dp, tp and pp: every number measured (none computed), equal to the formulas;
+    the ring sends K/V cp-1 times forward and backward and dK/dV cp times, per layer and micro-batch."""
+    mesh, m, cp = Mesh(dp=2, cp=2, tp=2, pp=2), 2, 2
+    stage = {"first": 0, "last": 1}[rank_kind]
+    rank = mesh.rank_of(pp=stage, dp=1, cp=1, tp=1)
+    run = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m)
+    formula = run["formulas"]
+    assert run["coords"] == {"dp": 1, "tp": 1, "pp": stage, "cp": 1}
+    assert run["measured"] == ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"] and run["computed"] == []
+    assert run["state_bytes"] == formula["state_bytes"]           # ZeRO-1 over the dp × cp = 4 ranks
+    assert run["state_bytes"]["optimizer"] == 12 * params_per_rank(TINY, mesh, stage) // 4
+    assert run["activation_bytes_peak"] == formula["activation_bytes_peak"]
+    assert run["activation_bytes_per_microbatch"] == formula["activation_bytes_per_microbatch"]
+    assert run["sent_bytes"] == formula["sent_bytes"] and set(run["sent_bytes"]) == {"tp", "pp", "dp", "cp"}
+    layers = len(partition_layers(TINY.num_layers, mesh.pp)[stage])
+    hops = (cp - 1) + (cp - 1) + cp
+    assert run["ops"]["cp"] == {"send": hops * layers * m, "recv": hops * layers * m}
+    block = 2 * 1 * (TINY.num_kv_heads // mesh.tp) * (16 // cp) * TINY.head_dim     # K and V of one rank
+    assert run["sent_bytes"]["cp"] == layers * m * ((cp - 1) * block * 2 * 2 + cp * block * 4)
+    plain = Mesh(dp=2, tp=2, pp=2)                               # the same rank without cp: twice the tokens
+    whole = run_rank(TINY, plain, plain.rank_of(pp=stage, dp=1, tp=1), seq_len=16, num_microbatches=m)
+    assert run["activation_bytes_peak"] < whole["activation_bytes_peak"]
+
+
+def test_a_context_parallel_rank_of_llama2_70b():
+    mesh = Mesh(dp=2, cp=4, tp=8, pp=4)
+    run = run_rank(LLAMA_70B, mesh, mesh.rank_of(pp=1, dp=1, cp=2, tp=5), seq_len=4096, num_microbatches=2)
+    formula = run["formulas"]
+    assert run["computed"] == [] and run["state_bytes"] == formula["state_bytes"]
+    assert run["activation_bytes_peak"] == formula["activation_bytes_peak"]
+    assert run["sent_bytes"] == formula["sent_bytes"]
+    print(f"cp rank of {mesh.size}: {run['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize("config, mesh, seq_len", [
+    (preset("tiny", num_experts=4), Mesh(dp=2, cp=2, pp=2, ep=4), 16),
+    (preset("mixtral-8x7b", num_layers=4), Mesh(dp=8, ep=8, pp=2), 4096),
+], ids=["tiny MoE, dp 2 × cp 2 × pp 2, ep 4", "Mixtral 8x7B (4 layers), dp 8 × pp 2, ep 8"])
+def test_an_expert_parallel_rank_runs_apply_ep_and_labels_what_it_computes(config, mesh, seq_len):
+    """apply_ep for real: the all-to-alls measured, equal to experts.all_to_all_bytes; the state and the dp bytes
+    computed (experts and the rest average over different groups) and labelled so; activations measured only."""
+    m = 2
+    for stage in range(mesh.pp):
+        rank = mesh.rank_of(pp=stage, dp=mesh.dp - 1, cp=mesh.cp - 1)
+        run = run_rank(config, mesh, rank, seq_len=seq_len, num_microbatches=m)
+        formula = run["formulas"]
+        layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+        assert run["coords"]["ep"] == mesh.ep - 1
+        assert run["computed"] == ["state_bytes", "sent_bytes.dp"]
+        axes = ["tp", "pp"] + ["cp"] * (mesh.cp > 1) + ["ep"]
+        assert run["measured"] == ["activation_bytes_peak", ", ".join(f"sent_bytes.{a}" for a in axes), "ops"]
+        assert run["sent_bytes"] == formula["sent_bytes"]
+        assert run["ops"]["ep"] == {"all_to_all": 4 * layers * m} and run["ops"]["dp"] == {}
+        tokens = seq_len // mesh.cp
+        assert run["sent_bytes"]["ep"] == 4 * layers * m * (mesh.ep - 1) / mesh.ep * (
+            config.num_experts * tokens * config.hidden * 2)
+        assert run["state_bytes"] == formula["state_bytes"]
+        assert formula["activation_bytes_peak"] is None and run["activation_bytes_peak"] > 0
+
+
+@pytest.mark.parametrize("argv, real_check", [
+    (["--preset", "tiny", "--dp", "2", "--cp", "2", "--ep", "3"], lambda: Mesh(dp=2, cp=2, ep=3)),
+    (["--preset", "mixtral-8x7b", "--dp", "3", "--ep", "3"], lambda: Mesh(dp=3, ep=3).check_model(preset("mixtral-8x7b"))),
+    (["--preset", "tiny", "--cp", "3", "--seq-len", "16"], lambda: Mesh(cp=3).check_sequence(16)),
+    (["--preset", "tiny", "--world-size", "12", "--tp", "2", "--cp", "4"], lambda: Mesh.for_world(12, tp=2, cp=4)),
+], ids=["ep does not divide dp × cp", "experts do not split", "sequence does not split", "world does not factor"])
+def test_bad_cp_and_ep_input_gets_the_real_runs_one_line_error(argv, real_check, capsys):
+    with pytest.raises(ValueError) as real:
+        real_check()
+    assert main(["--seq-len", "16", *argv]) == 2
+    assert capsys.readouterr().err == f"error: {real.value}\n"
+    assert not dist.is_initialized()
+
+
+def test_what_the_virtual_cluster_does_not_run_with_cp_and_ep_is_refused():
+    moe = preset("tiny", num_experts=4)
+    for config, mesh, kwargs, message in [
+        (TINY, Mesh(cp=2, tp=2), {"sequence_parallel": True}, "sequence_parallel with cp 2 is not run"),
+        (moe, Mesh(dp=2, tp=2, ep=2), {}, "tp 2 with num_experts=4: the course's MoE layer has no tensor-parallel"),
+        (moe, Mesh(dp=2, ep=2), {"recompute": "full"}, "recompute='full' with a mixture of experts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run_rank(config, mesh, 0, seq_len=16, **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_command_line_runs_cp_and_ep(capsys):
+    import json
+    assert main(["--preset", "tiny", "--world-size", "8", "--cp", "2", "--tp", "2", "--rank", "5", "--seq-len", "16",
+                 "--dtype", "fp32"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["world_size"] == 8 and run["coords"] == {"dp": 1, "tp": 1, "pp": 0, "cp": 0}
+    assert set(run["sent_bytes"]) == set(run["ops"]) == {"tp", "pp", "dp", "cp"}
+    assert main(["--preset", "mixtral-8x7b", "--dp", "4", "--ep", "4", "--rank", "3", "--seq-len", "64"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["coords"] == {"dp": 3, "tp": 0, "pp": 0, "ep": 3} and run["computed"] == ["state_bytes", "sent_bytes.dp"]
+    assert run["state_bytes"]["weights"] == 2 * params_per_rank(preset("mixtral-8x7b"), Mesh(dp=4, ep=4), 0)

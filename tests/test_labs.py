@@ -1,0 +1,137 @@
+"""The labs' command line: which backend and precision they choose, the refusal of more NCCL ranks than GPUs
+(before any process starts), and a lab run end to end on gloo that says where it ran."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from course_lib.lab_results import LABS, describe
+
+sys.path.insert(0, str(REPO / "labs"))   # the labs import their shared module as `common`, as a script does
+import common  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def outside_torchrun(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def gpus(monkeypatch, count: int) -> None:
+    """Pretend this machine has ``count`` GPUs (what choose_backend asks torch)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def load_lab(name: str):
+    spec = importlib.util.spec_from_file_location(f"lab_{name}", REPO / "labs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("count, world_size, backend", [(8, 8, "nccl"), (8, 2, "nccl"), (1, 1, "nccl"),
+                                                        (4, 8, "gloo"), (0, 2, "gloo")])
+def test_the_default_is_nccl_when_every_rank_has_a_gpu(monkeypatch, count, world_size, backend):
+    gpus(monkeypatch, count)
+    assert common.choose_backend(None, world_size) == backend
+    assert common.choose_backend("gloo", world_size) == "gloo"   # asked for: gloo even beside GPUs
+
+
+def test_under_torchrun_the_gpus_are_counted_against_this_nodes_ranks(monkeypatch):
+    gpus(monkeypatch, 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")                  # 2 nodes × 8 ranks
+    assert common.choose_backend(None, 16) == "nccl"
+    assert common.choose_backend("nccl", 16) == "nccl"
+
+
+@pytest.mark.parametrize("count, message", [
+    (1, "NCCL needs one GPU per rank: 8 ranks, 1 GPU; use --world-size 1 or --backend gloo"),
+    (4, "NCCL needs one GPU per rank: 8 ranks, 4 GPUs; use --world-size 4 or --backend gloo"),
+    (0, "NCCL needs one GPU per rank: 8 ranks, 0 GPUs; use --backend gloo")])
+def test_more_nccl_ranks_than_gpus_is_refused_with_the_way_out(monkeypatch, count, message):
+    gpus(monkeypatch, count)
+    with pytest.raises(ValueError) as error:
+        common.choose_backend("nccl", 8)
+    assert str(error.value) == message
+
+
+def test_under_torchrun_the_way_out_is_fewer_processes_per_node(monkeypatch):
+    gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError) as error:
+        common.choose_backend("nccl", 16)
+    assert str(error.value) == ("NCCL needs one GPU per rank: 8 ranks on this node, 1 GPU; "
+                                "use --nproc-per-node 1 or --backend gloo")
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_every_lab_stops_before_any_rank_starts(monkeypatch, capsys, name):
+    gpus(monkeypatch, 1)
+    lab = load_lab(name)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(lab, "launch", no_launch)
+    with pytest.raises(SystemExit) as stopped:
+        lab.main(["--world-size", "8", "--backend", "nccl"])
+    assert stopped.value.code == 2          # argparse's usage error
+    assert ("error: NCCL needs one GPU per rank: 8 ranks, 1 GPU; use --world-size 1 or --backend gloo"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("count, argv, backend, dtype", [
+    (8, [], "nccl", "bf16"),                     # a GPU box: NCCL, matmuls in bf16 as GPU training runs them
+    (8, ["--dtype", "fp32"], "nccl", "fp32"),
+    (0, [], "gloo", "fp32"),                     # a laptop: gloo, float32
+    (0, ["--dtype", "bf16"], "gloo", "bf16")])   # CPU autocast: the GPU path's precision, checked here
+def test_the_precision_follows_the_backend_unless_asked(monkeypatch, count, argv, backend, dtype):
+    gpus(monkeypatch, count)
+    args = common.parse(common.lab_parser("a lab", world_size=8), argv)
+    assert (args.backend, args.dtype) == (backend, dtype)
+
+
+def test_the_machine_is_named_as_the_gpus_or_the_cpu(monkeypatch):
+    assert common.machine("gloo", 2) == f"{common.cpu_model()} ({len(os.sched_getaffinity(0))} cores)"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    assert common.machine("nccl", 8) == "8 × NVIDIA H100 80GB HBM3"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert common.machine("nccl", 16) == "2 nodes × 8 × NVIDIA H100 80GB HBM3"
+
+
+def run_lab(name: str, *argv: str, out) -> dict:
+    """The lab as an instructor runs it, ``python labs/<name>.py ...``; its JSON."""
+    command = [sys.executable, str(REPO / "labs" / f"{name}.py"), *argv, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.ranks
+def test_a_lab_on_gloo_says_where_it_ran(tmp_path):
+    record = run_lab("training_step", "--world-size", "2", "--steps", "2", out=tmp_path)
+    assert {k: record[k] for k in ("backend", "device", "dtype", "world_size")} == \
+        {"backend": "gloo", "device": "cpu", "dtype": "fp32", "world_size": 2}
+    assert record["machine"] == common.machine("gloo", 2)
+    assert record["max_memory_allocated"] == [None, None]                  # no GPU: nothing measured
+    assert record["predicted_state_bytes"] == [16 * record["params"]] * 2  # fp32 Adam: 4 + 4 + 8 bytes
+    assert record["replica_spread"] == 0.0
+    assert describe("training_step", tmp_path).startswith(f"CPU smoke run (gloo, tiny sizes) on {record['machine']}")
+
+
+@pytest.mark.ranks
+def test_tensor_parallel_under_bf16_autocast_sends_what_the_formula_says(tmp_path):
+    """The GPU default's precision, on CPU: forward all-reduces in bf16, backward in fp32 (the lab asserts the
+    traced bytes against predicted_traffic; here, the two directions' sizes)."""
+    record = run_lab("tensor_parallel", "--world-size", "2", "--steps", "2", "--dtype", "bf16", out=tmp_path)
+    batch, seq, hidden = record["batch_size"], record["seq_len"], record["config"]["hidden"]
+    assert record["dtype"] == "bf16"
+    assert record["predicted"]["payload_bytes_each"] == batch * seq * hidden * 2
+    assert record["predicted"]["backward_payload_bytes_each"] == batch * seq * hidden * 4
+    assert record["payload_bytes_per_step"] == 8 * record["config"]["num_layers"] * batch * seq * hidden * 3 // 2
+    assert "older version" not in describe("tensor_parallel", tmp_path)
