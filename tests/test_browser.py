@@ -192,7 +192,19 @@ def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
     page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
     queued = page.locator(".jp-InputPrompt", has_text="*")  # "[*]:" marks a cell queued or running
     wait_for(lambda: queued.count() > 0, 30, "run-all to start")
-    wait_for(lambda: queued.count() == 0 and kernel_state(url, token) == "idle", seconds, f"{name} to finish")
+    unrun = page.locator(".jp-CodeCell .jp-InputPrompt", has_text=re.compile(r"^\s*\[\s*\]:\s*$"))
+
+    def finished() -> bool:
+        """Every cell ran; or nothing is queued and the kernel stays idle (Run All stopped at an error). Between
+        two cells the prompts and the kernel can both look done for a moment: look twice, a few seconds apart."""
+        if queued.count() or kernel_state(url, token) != "idle":
+            return False
+        if unrun.count() == 0:
+            return True
+        time.sleep(5)
+        return queued.count() == 0 and kernel_state(url, token) == "idle"
+
+    wait_for(finished, seconds, f"{name} to finish")
     prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
     errors = [line for text in outputs.all_inner_texts() for line in ERROR_LINE.findall(text)]
     assert not [p for p in prompts if re.fullmatch(r"\[\s*\]:", p.strip())], f"{name}: Run All stopped at {errors}"
