@@ -23,6 +23,21 @@ WORKLOAD = Workload(seq_len=4096, global_batch_size=64, recompute="selective", s
 KEYS = ("dp", "tp", "pp", "zero_stage", "num_microbatches")
 
 
+def read_answer(layout, keys) -> dict | None:
+    """The learner's ``layout()``, if it returns a dict; otherwise say what it did instead and return None."""
+    from .exercises import NOT_DONE  # exercises.py imports this module: take its words when the checker runs
+
+    try:
+        answer = layout()
+    except NotImplementedError:
+        print(NOT_DONE)
+        return None
+    if not isinstance(answer, dict):
+        print(f"✗ layout() returned a {type(answer).__name__}; return a dict with the keys {', '.join(keys)}")
+        return None
+    return answer
+
+
 def overflow_hint(memory: dict[str, int], gpu_bytes: int, *, mesh: Mesh, workload: Workload) -> str:
     """Which part of the busiest GPU's memory (layouts.memory_per_gpu) does not fit in ``gpu_bytes``, by how
     much, and what shrinks it. The reserve is a fixed share of the card, so either the state alone takes more
@@ -54,16 +69,9 @@ def check_3d_layout(layout, workload: Workload = WORKLOAD) -> bool:
     equal micro-batches (b = 64 / (dp·m) sequences each); no bad smell (plan.bad_smells: TP across nodes, ZeRO-2/3
     with a pipeline); the bubble stays under 20%; the busiest GPU's state + activations + reserve fit on the card
     (layouts.memory_per_gpu)."""
-    from .exercises import NOT_DONE  # exercises.py imports this module: take its words when the checker runs
-
     config, batch = preset("llama2-70b"), workload.global_batch_size
-    try:
-        answer = layout()
-    except NotImplementedError:
-        print(NOT_DONE)
-        return False
-    if not isinstance(answer, dict):
-        print(f"✗ layout() returned a {type(answer).__name__}; return a dict with the keys {', '.join(KEYS)}")
+    answer = read_answer(layout, KEYS)
+    if answer is None:
         return False
     missing, unknown = [k for k in KEYS if k not in answer], [k for k in answer if k not in KEYS]
     if missing:

@@ -17,6 +17,7 @@ rank in the course's apply_tp). The hint names the largest.
 """
 
 from .cost import DEFAULT_EFFICIENCY, StepTime, step_time
+from .exercises_layout import read_answer
 from .hardware import find_gpu
 from .layouts import Workload, memory_per_gpu, seconds_text, size_text
 from .ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
@@ -131,16 +132,8 @@ def check_layout_at_scale(layout) -> bool:
     into whole micro-batches), has no bad smell (plan.bad_smells), fits with its activations and the reserve
     (layouts.memory_per_gpu) and reaches an MFU of at least 45% (cost.step_time); otherwise the hint says which
     part overflows and by how much, or which term of the step costs most."""
-    # exercises.py imports this module at its end: take its names when the checker runs, not at import
-    from .exercises import NOT_DONE
-
-    try:
-        answer = layout()
-    except NotImplementedError:
-        print(NOT_DONE)
-        return False
-    if not isinstance(answer, dict):
-        print(f"✗ layout() returned a {type(answer).__name__}; return a dict with the keys {', '.join(KEYS)}")
+    answer = read_answer(layout, KEYS)
+    if answer is None:
         return False
     missing, unknown = [k for k in KEYS if k not in answer], [k for k in answer if k not in KEYS]
     if missing or unknown:
