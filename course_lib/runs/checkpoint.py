@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
+from ..clip import clip_zero_
 from ..data import SyntheticTokens, shard
 from ..launch import device
 from ..mesh import Mesh, make_comms, parallelize_3d
@@ -30,6 +31,7 @@ LAYOUTS = {
     "dp4 zero3": dict(dp=4, tp=1, pp=1, zero_stage=3),
     "tp4 dp2 zero1": dict(dp=2, tp=4, pp=1, zero_stage=1),
     "pp4": dict(dp=1, tp=1, pp=4, zero_stage=0),
+    "dp2 tp2 ddp": dict(dp=2, tp=2, pp=1, zero_stage=0),
     "one process": dict(dp=1, tp=1, pp=1, zero_stage=0),
 }
 DEFAULTS = dict(batch_size=8, seq_len=16, lr=1e-2, seed=0, num_microbatches=2)
@@ -47,7 +49,8 @@ class Trainer:
     """The course model on this rank, cut for ``layout``, with its data stream; ``step(k)`` runs training step k."""
 
     def __init__(self, rank: int, world_size: int, layout: dict, *, dtype=torch.float64, batch_size: int = 8,
-                 seq_len: int = 16, lr: float = 1e-2, seed: int = 0, num_microbatches: int = 2, config=None):
+                 seq_len: int = 16, lr: float = 1e-2, seed: int = 0, num_microbatches: int = 2, config=None,
+                 max_norm: float | None = None):
         warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's reduce_scatter/all_gather notices
         self.rank, self.layout = rank, layout
         self.mesh = Mesh(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
@@ -62,6 +65,7 @@ class Trainer:
         self.data = SyntheticTokens(self.config.vocab_size, seq_len, seed=seed)
         self.seed, self.batch_size, self.num_microbatches, self.next_step = seed, batch_size, m, 0
         self.step_seconds: list[float] = []
+        self.max_norm, self.norms = max_norm, []     # clip by the global gradient norm (course_lib.clip)
 
     def step(self, kill_after_backward: bool = False) -> float | None:
         """One training step (the next one); returns the loss on the last stage, else None. ``kill_after_backward``:
@@ -75,6 +79,8 @@ class Trainer:
         if kill_after_backward:   # gradients computed, not yet averaged: the peers wait for this rank in vain
             os.kill(os.getpid(), signal.SIGKILL)
         self.dp.finish_gradient_sync()
+        if self.max_norm is not None:
+            self.norms.append(clip_zero_(self.dp, self.mesh, self.rank, self.max_norm).item())
         self.dp.step()
         self.next_step += 1
         self.step_seconds.append(time.perf_counter() - start)
@@ -109,9 +115,9 @@ class Trainer:
 
 def save_and_resume(rank: int, world_size: int, *, layout: dict, steps: int, root: str, save_at: int | None = None,
                     resume_from: str | None = None, final: str | None = None, **kwargs) -> dict:
-    """For ``launch``: a Trainer in ``layout``; load ``resume_from`` if given; train until ``steps`` steps are done
+    """For ``launch``: a Trainer in ``layout`` (``kwargs``: Trainer's); load ``resume_from`` if given; train until ``steps`` steps are done
     in all, saving to ``root``/step_K after step K = ``save_at``; save the end to ``final`` if given. Returns this
-    rank's coordinates, parameters by name, losses and step seconds."""
+    rank's coordinates, parameters by name, losses, step seconds and (with max_norm) global gradient norms."""
     trainer = Trainer(rank, world_size, layout, **kwargs)
     if resume_from:
         trainer.load(resume_from)
@@ -123,7 +129,7 @@ def save_and_resume(rank: int, world_size: int, *, layout: dict, steps: int, roo
     if final:
         trainer.save(final)
     return {"rank": rank, "coords": trainer.mesh.coords(rank), "params": trainer.pieces(), "losses": losses,
-            "step_seconds": trainer.step_seconds}
+            "step_seconds": trainer.step_seconds, "norms": trainer.norms}
 
 
 def run_with_failure(rank: int, world_size: int, *, layout: dict, steps: int, root: str, every: int,
