@@ -8,6 +8,7 @@ inside ``no_sync()``, ZeroDataParallel averages the gradients over dp (the stage
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -50,7 +51,7 @@ class Trainer:
 
     def __init__(self, rank: int, world_size: int, layout: dict, *, dtype=torch.float64, batch_size: int = 8,
                  seq_len: int = 16, lr: float = 1e-2, seed: int = 0, num_microbatches: int = 2, config=None,
-                 max_norm: float | None = None):
+                 max_norm: float | None = None, slow_rank: int | None = None, delay_s: float = 0.0):
         warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's reduce_scatter/all_gather notices
         self.rank, self.layout = rank, layout
         self.mesh = Mesh(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"])
@@ -65,6 +66,8 @@ class Trainer:
         self.data = SyntheticTokens(self.config.vocab_size, seq_len, seed=seed)
         self.seed, self.batch_size, self.num_microbatches, self.next_step = seed, batch_size, m, 0
         self.step_seconds: list[float] = []
+        self.comm_seconds: list[float] = []          # per step: time inside traced collectives (mostly waiting)
+        self.delay_s = delay_s if rank == slow_rank else 0.0   # a straggler: this rank computes delay_s longer
         self.max_norm, self.norms = max_norm, []     # clip by the global gradient norm (course_lib.clip)
 
     def step(self, kill_after_backward: bool = False) -> float | None:
@@ -73,15 +76,19 @@ class Trainer:
         start = time.perf_counter()
         where = self.mesh.coords(self.rank)
         inputs, targets = (shard(t, where["dp"], self.mesh.dp) for t in self.data.batch(self.next_step, self.batch_size))
-        with self.dp.no_sync():
-            result = pipeline_step(self.dp.module, self.comms["pp"], inputs, targets,
-                                   num_microbatches=self.num_microbatches)
-        if kill_after_backward:   # gradients computed, not yet averaged: the peers wait for this rank in vain
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.dp.finish_gradient_sync()
-        if self.max_norm is not None:
-            self.norms.append(clip_zero_(self.dp, self.mesh, self.rank, self.max_norm).item())
-        self.dp.step()
+        with contextlib.ExitStack() as traces:
+            logs = [traces.enter_context(self.comms[axis].trace()) for axis in ("tp", "pp", "dp")]
+            with self.dp.no_sync():
+                result = pipeline_step(self.dp.module, self.comms["pp"], inputs, targets,
+                                       num_microbatches=self.num_microbatches)
+            if kill_after_backward:   # gradients computed, not yet averaged: the peers wait for this rank in vain
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.delay_s)
+            self.dp.finish_gradient_sync()
+            if self.max_norm is not None:
+                self.norms.append(clip_zero_(self.dp, self.mesh, self.rank, self.max_norm).item())
+            self.dp.step()
+        self.comm_seconds.append(sum(r.seconds for log in logs for r in log.records))
         self.next_step += 1
         self.step_seconds.append(time.perf_counter() - start)
         return result["loss"]
@@ -129,7 +136,7 @@ def save_and_resume(rank: int, world_size: int, *, layout: dict, steps: int, roo
     if final:
         trainer.save(final)
     return {"rank": rank, "coords": trainer.mesh.coords(rank), "params": trainer.pieces(), "losses": losses,
-            "step_seconds": trainer.step_seconds, "norms": trainer.norms}
+            "step_seconds": trainer.step_seconds, "comm_seconds": trainer.comm_seconds, "norms": trainer.norms}
 
 
 def run_with_failure(rank: int, world_size: int, *, layout: dict, steps: int, root: str, every: int,
