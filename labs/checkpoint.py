@@ -16,6 +16,8 @@ and trained to the end too. Checked: both runs end within 1e-12 of one process t
 lost is the steps since that checkpoint. Writes --out/checkpoint.json (the lab's record; default labs/results).
 """
 
+import atexit
+import datetime
 import os
 import shutil
 import time
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from common import lab_parser, model_overrides, parse, reports, write_record
 from course_lib import launch
 from course_lib.launch import RankError
+from course_lib.launch import _leave_cleanly as leave_cleanly  # launch's exit under torchrun
 from course_lib.model import preset
 from course_lib.runs.checkpoint import LAYOUTS, layout_name, run_with_failure, save_and_resume
 from course_lib.runs.mesh import max_parameter_gap
@@ -33,6 +36,22 @@ from course_lib.train import reference_run
 
 LAYOUT_FOR = {8: ("dp2 tp2 pp2 zero1", "tp4 dp2 zero1"), 4: ("dp2 tp2 zero3", "pp4"), 1: ("one process", "one process")}
 TOLERANCE = 1e-12
+
+
+def join_this_attempt(backend: str, world_size: int) -> None:
+    """Under torchrun --max-restarts: join the process group through this attempt's own keys in torchrun's store.
+
+    A restarted rank otherwise reads the address a rank of the failed attempt left in the store (torchrun keeps
+    the store across restarts; pytorch/pytorch#167288), and gloo's connectFullMesh fails with "Connection
+    refused" (seen here with 4 ranks, torch 2.13). A PrefixStore per TORCHELASTIC_RESTART_COUNT keeps attempts
+    apart. ``launch`` then runs on this group, as on any group torchrun made."""
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
+    store = dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+    atexit.register(leave_cleanly)       # as launch does for the groups it makes under torchrun
 
 
 def attempt(rank, world_size, *, first: bool, root: str, **kwargs):
@@ -67,6 +86,7 @@ def main(argv=None):
     job = dict(layout=source, every=args.every, kill_at=args.kill_at, kill_rank=args.kill_rank, **common)
     start = time.perf_counter()
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:   # torchrun: a dead rank ends this process; torchrun restarts us
+        join_this_attempt(args.backend, args.world_size)
         finished = launch(attempt, args.world_size, backend=args.backend, first=restarts == 0, root=root, **job)
     else:                                             # here: catch the dead rank ourselves, and launch again
         try:
