@@ -355,7 +355,8 @@ def check_reduce_grad_shard(reduce_grad_shard) -> bool:
     return True
 
 
-# Notebook 06's, 07's, 08's and 09's checkers live in their own modules, to keep this one short; wrapped here like every other.
+# Notebook 06's to 10's checkers live in their own modules, to keep this one short; wrapped here like every other.
+from . import exercises_checkpoints as _checkpoints  # noqa: E402
 from . import exercises_context as _context  # noqa: E402
 from . import exercises_experts as _experts  # noqa: E402
 from . import exercises_layout as _layout  # noqa: E402
@@ -365,3 +366,4 @@ check_3d_layout = _exercise(_layout.check_3d_layout)
 check_lse_merge = _exercise(_context.check_lse_merge)
 check_expert_exchange = _exercise(_experts.check_expert_exchange)
 check_layout_at_scale = _exercise(_scale.check_layout_at_scale)
+check_global_norm = _exercise(_checkpoints.check_global_norm)
