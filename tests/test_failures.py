@@ -58,7 +58,8 @@ def test_the_straggler_is_the_rank_that_computes_longest_not_the_one_with_the_lo
 def test_a_hung_collective_ends_with_the_groups_timeout_and_the_missing_rank_named():
     results = launch(hung_collective, 4, missing_rank=2, timeout_s=1.0)
     waiting = [r for r in results if r["rank"] != 2]
-    assert all(r["error"] and r["waited_s"] >= 1.0 for r in waiting)
+    assert all(r["error"] for r in waiting)
+    assert max(r["waited_s"] for r in waiting) >= 1.0     # the first to time out waited it all; its peers then fail
     assert results[0]["barrier"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
 
 
