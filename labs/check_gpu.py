@@ -89,6 +89,8 @@ LABS = {
     "parallel_3d": Lab(4, "tp 2 × pp 2 (× dp)",
                        lambda n: f"--tp 2 --pp 2 --hidden 512 --layers 8 --seq-len 128 --batch-size {16 * (n // 4)} "
                                  "--microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
+    # save in one layout (8 GPUs: dp 2 × tp 2 × pp 2, ZeRO-1), resume in another on NCCL, float64 parity
+    "checkpoint": Lab(1, "", lambda n: "--no-kill --steps 8", "--no-kill --steps 6 --every 2 --kill-at 3"),
 }
 
 
@@ -100,6 +102,8 @@ def ranks_for(name: str, gpus: int) -> int:
         return max(d for d in (1, 2, 4, 8, 16) if d <= gpus)
     if name == "parallel_3d":
         return 4 * (gpus // 4)
+    if name == "checkpoint":                         # its layouts: 8, 4, 2 or 1 ranks
+        return max(d for d in (1, 2, 4, 8) if d <= gpus)
     return gpus
 
 
@@ -400,9 +404,17 @@ def memory_check(record: dict) -> tuple:
             verdict(min(ratios) >= 1 - STATE_TOLERANCE))
 
 
+def check_checkpoint(r: dict) -> list[tuple]:
+    return [("saved, resumed in the same layout: weights vs 1 process", f"< {1e-12:g}",
+             f"{r['max_gap_vs_one_process']:.1e}", verdict(r["max_gap_vs_one_process"] < 1e-12)),
+            (f"resumed in {r['resharded_into']}: weights vs 1 process", f"< {1e-12:g}",
+             f"{r['resharded_max_gap_vs_one_process']:.1e}", verdict(r["resharded_max_gap_vs_one_process"] < 1e-12)),
+            not_in_lab("a rank killed and restarted", "tests/test_failures.py, torchrun --max-restarts")]
+
+
 CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
           "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
-          "parallel_3d": check_parallel_3d}
+          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint}
 
 
 def lab_checks(name: str, out: Path) -> list[Check]:

@@ -34,7 +34,8 @@ from course_lib.runs.checkpoint import LAYOUTS, layout_name, run_with_failure, s
 from course_lib.runs.mesh import max_parameter_gap
 from course_lib.train import reference_run
 
-LAYOUT_FOR = {8: ("dp2 tp2 pp2 zero1", "tp4 dp2 zero1"), 4: ("dp2 tp2 zero3", "pp4"), 1: ("one process", "one process")}
+LAYOUT_FOR = {8: ("dp2 tp2 pp2 zero1", "tp4 dp2 zero1"), 4: ("dp2 tp2 zero3", "pp4"), 2: ("dp2 zero1", "pp2"),
+              1: ("one process", "one process")}
 TOLERANCE = 1e-12
 
 
@@ -71,21 +72,33 @@ def main(argv=None):
     parser.add_argument("--kill-at", type=int, default=5, help="the step in which a rank dies")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--no-kill", action="store_true",
+                        help="kill nobody (torchrun without --max-restarts, as make gpu-check runs it): save, resume "
+                             "in another layout, compare")
     parser.set_defaults(seq_len=16, dtype="fp64")
     args = parse(parser, argv)
     if args.world_size not in LAYOUT_FOR:
         parser.error(f"--world-size {args.world_size}: this lab has layouts for {sorted(LAYOUT_FOR)} ranks")
-    if not 0 < args.kill_at < args.steps or not 0 <= args.kill_rank < args.world_size:
-        parser.error(f"--kill-at {args.kill_at} must be a step inside 1..{args.steps - 1} and --kill-rank "
-                     f"{args.kill_rank} a rank of the {args.world_size}")
+    if not args.every <= args.kill_at < args.steps or not 0 <= args.kill_rank < args.world_size:
+        parser.error(f"--kill-at {args.kill_at} must be a step inside {args.every}..{args.steps - 1} (after the first "
+                     f"checkpoint, --every {args.every}) and --kill-rank {args.kill_rank} a rank of the {args.world_size}")
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0" and not args.no_kill:
+        parser.error("a rank is killed on purpose: run under torchrun --max-restarts 1 (or pass --no-kill)")
     source, target = (LAYOUTS[name] for name in LAYOUT_FOR[args.world_size])
     root = str(args.out / "checkpoints")
     config = preset("tiny", **model_overrides(args))
     common = dict(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, config=config)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    job = dict(layout=source, every=args.every, kill_at=args.kill_at, kill_rank=args.kill_rank, **common)
+    job = dict(layout=source, every=args.every, kill_at=None if args.no_kill else args.kill_at,
+               kill_rank=args.kill_rank, **common)
     start = time.perf_counter()
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:   # torchrun: a dead rank ends this process; torchrun restarts us
+    if args.no_kill:
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            join_this_attempt(args.backend, args.world_size)
+        finished = launch(attempt, args.world_size, backend=args.backend, first=True, root=root, **job)
+        finished[0]["resumed_from"] = os.path.join(root, f"step_{args.kill_at // args.every * args.every:05d}")
+        finished[0]["started_at"] = args.kill_at      # nothing was lost: no rank died
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:   # torchrun: a dead rank ends this process; torchrun restarts us
         join_this_attempt(args.backend, args.world_size)
         finished = launch(attempt, args.world_size, backend=args.backend, first=restarts == 0, root=root, **job)
     else:                                             # here: catch the dead rank ourselves, and launch again
@@ -111,9 +124,12 @@ def main(argv=None):
               "resumed_from": os.path.basename(resumed_from), "started_at": started,
               "lost_steps": args.kill_at - started, "max_gap_vs_one_process": gap,
               "resharded_max_gap_vs_one_process": reshard_gap, "seconds": time.perf_counter() - start}
-    print(f"\n{layout_name(source)}: rank {args.kill_rank} killed in step {args.kill_at}; {restarts} restart; "
-          f"resumed from {record['resumed_from']} (steps {started}..{args.kill_at - 1} done again, plus the "
-          f"killed step's partial work)\n"
+    record["killed"] = not args.no_kill
+    story = (f"saved every {args.every} steps, nobody killed (--no-kill)" if args.no_kill else
+             f"rank {args.kill_rank} killed in step {args.kill_at}; {restarts} restart; resumed from "
+             f"{record['resumed_from']} (steps {started}..{args.kill_at - 1} done again, plus the killed step's partial "
+             "work)")
+    print(f"\n{layout_name(source)}: {story}\n"
           f"max |w - one process| after {args.steps} steps: {gap:.1e}; resumed in {layout_name(target)}: "
           f"{reshard_gap:.1e} (tolerance {TOLERANCE:g})")
     assert gap < TOLERANCE and reshard_gap < TOLERANCE, (gap, reshard_gap)

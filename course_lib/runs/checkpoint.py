@@ -33,6 +33,8 @@ LAYOUTS = {
     "tp4 dp2 zero1": dict(dp=2, tp=4, pp=1, zero_stage=1),
     "pp4": dict(dp=1, tp=1, pp=4, zero_stage=0),
     "dp2 tp2 ddp": dict(dp=2, tp=2, pp=1, zero_stage=0),
+    "dp2 zero1": dict(dp=2, tp=1, pp=1, zero_stage=1),
+    "pp2": dict(dp=1, tp=1, pp=2, zero_stage=0),
     "one process": dict(dp=1, tp=1, pp=1, zero_stage=0),
 }
 DEFAULTS = dict(batch_size=8, seq_len=16, lr=1e-2, seed=0, num_microbatches=2)
