@@ -31,7 +31,7 @@ def check_global_norm(global_norm) -> bool:
     tp rank holds the whole tensor, a norm weight, the embedding, the head), this rank's place in the TP group and
     its Comm, and must return the 2-norm of all the model's gradients, each element counted once, the same on
     every rank. Checked on 2 and 4 ranks (float64) against one process's torch.nn.utils.clip_grad_norm_."""
-    from .exercises import _run_on_ranks   # exercises.py imports this module at its end
+    from .exercises import _run_on_ranks  # exercises.py imports this module at its end
 
     whole = _gradients(tp_world=False)
     expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), math.inf).item()
