@@ -80,3 +80,4 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_checkpoint_and_ends_as_i
     record = json.loads((tmp_path / "checkpoint.json").read_text())
     assert (record["restarts"], record["resumed_from"], record["lost_steps"]) == (1, "step_00002", 1)
     assert record["max_gap_vs_one_process"] < 1e-12 and record["resharded_max_gap_vs_one_process"] < 1e-12
+
