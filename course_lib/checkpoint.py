@@ -37,7 +37,7 @@ Names, as torch's get_state_dict flattens them: ``model.<param>``, ``optimizer.s
 parameter in torch, equals the training step for all of them: it is saved once, in ``train``.
 
 Bytes per rank (float64 Adam: 8 bytes of weight + 16 of moments per parameter): 24 × the parameters the rank
-writes; over the ranks of one (stage, tp) place, 24 × (mesh.params_per_rank − the TP-replicated ones on tp ranks
+writes; over the ranks of one (stage, tp) place, 24 × (per_rank.params_per_rank − the TP-replicated ones on tp ranks
 other than 0): the ledger's weights + optimizer state, divided over dp, each parameter once. The whole checkpoint is
 24·P in every layout. (Each box is one torch.save record in the rank's file, a few hundred bytes of overhead each.)
 """
@@ -54,6 +54,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .per_rank import params_per_rank
+from .pipeline_parallel import partition_layers
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -310,10 +312,8 @@ def written_bytes(path: str) -> dict[int, dict[str, int]]:
 
 def predicted_bytes(config, mesh, stage: int, tp_rank: int, bytes_per_param: int = 24) -> int:
     """The tensor bytes the dp ranks of one (stage, tp) place write together: bytes_per_param × the parameters
-    of that piece (mesh.params_per_rank), less the TP-replicated ones (norms; embedding and head, which apply_tp
+    of that piece (per_rank.params_per_rank), less the TP-replicated ones (norms; embedding and head, which apply_tp
     leaves whole) on tp ranks other than 0, which tp rank 0 writes."""
-    from .mesh import params_per_rank
-    from .pipeline_parallel import partition_layers
     params = params_per_rank(config, mesh, stage)
     if mesh.tp > 1 and tp_rank > 0:
         layers = len(partition_layers(config.num_layers, mesh.pp)[stage])

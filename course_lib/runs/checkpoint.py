@@ -22,8 +22,9 @@ from .. import checkpoint
 from ..clip import clip_zero_
 from ..data import SyntheticTokens, shard
 from ..launch import device
-from ..mesh import Mesh, make_comms, parallelize_3d
+from ..mesh import Mesh, make_comms
 from ..model import build, preset
+from ..parallelize import Parallelism, parallelize
 from ..pipeline_parallel import pipeline_step
 
 LAYOUTS = {
@@ -63,8 +64,10 @@ class Trainer:
         self.mesh.check_model(self.config, batch_size=batch_size, num_microbatches=m)
         self.comms = make_comms(self.mesh, rank)
         model = build(self.config, seed=seed, device=device(), dtype=dtype)
-        self.dp = parallelize_3d(model, self.mesh, self.comms, rank, zero_stage=layout["zero_stage"],
-                                 optimizer_class=functools.partial(torch.optim.Adam, foreach=False), lr=lr)
+        adam = dict(optimizer_class=functools.partial(torch.optim.Adam, foreach=False), lr=lr)
+        self.parallel = parallelize(model, self.mesh, self.comms, rank,
+                                    Parallelism(zero_stage=layout["zero_stage"], num_microbatches=m), optimizer_kwargs=adam)
+        self.dp = self.parallel.data_parallel          # a ZeroDataParallel: its shards are what a checkpoint holds
         self.data = SyntheticTokens(self.config.vocab_size, seq_len, seed=seed)
         self.seed, self.batch_size, self.num_microbatches, self.next_step = seed, batch_size, m, 0
         self.step_seconds: list[float] = []
@@ -80,8 +83,8 @@ class Trainer:
         inputs, targets = (shard(t, where["dp"], self.mesh.dp) for t in self.data.batch(self.next_step, self.batch_size))
         with contextlib.ExitStack() as traces:
             logs = [traces.enter_context(self.comms[axis].trace()) for axis in ("tp", "pp", "dp")]
-            with self.dp.no_sync():
-                result = pipeline_step(self.dp.module, self.comms["pp"], inputs, targets,
+            with self.dp.no_sync():   # Parallelized.forward_backward's two halves, to die or dawdle in between
+                result = pipeline_step(self.parallel.stage, self.comms["pp"], inputs, targets,
                                        num_microbatches=self.num_microbatches)
             if kill_after_backward:   # gradients computed, not yet averaged: the peers wait for this rank in vain
                 os.kill(os.getpid(), signal.SIGKILL)

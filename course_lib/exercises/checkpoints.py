@@ -1,15 +1,15 @@
-"""The checker of notebook 10's exercise (the global gradient norm over TP ranks), kept apart so that exercises.py
-stays short to read; exercises.py wraps and re-exports it, so notebooks call ``exercises.check_global_norm`` like
-the others."""
+"""The checker of notebook 10's exercise (the global gradient norm over TP ranks); the package's __init__ wraps and
+re-exports it, so notebooks call ``exercises.check_global_norm`` like the others."""
 
 import math
 
 import torch
 
-from .comm import Comm
-from .data import SyntheticTokens
-from .model import build, loss_fn, preset
-from .tensor_parallel import apply_tp
+from ..comm import Comm
+from ..data import SyntheticTokens
+from ..model import build, loss_fn, preset
+from ..tensor_parallel import apply_tp
+from .common import run_on_ranks
 
 ATOL = 1e-12    # float64: the same squares summed in another order
 
@@ -31,8 +31,6 @@ def check_global_norm(global_norm) -> bool:
     tp rank holds the whole tensor, a norm weight, the embedding, the head), this rank's place in the TP group and
     its Comm, and must return the 2-norm of all the model's gradients, each element counted once, the same on
     every rank. Checked on 2 and 4 ranks (float64) against one process's torch.nn.utils.clip_grad_norm_."""
-    from .exercises import _run_on_ranks  # exercises.py imports this module at its end
-
     whole = _gradients(tp_world=False)
     expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), math.inf).item()
     split_sq = sum(p.grad.double().pow(2).sum().item() for n, p in whole.named_parameters() if "_proj" in n)
@@ -49,7 +47,7 @@ def check_global_norm(global_norm) -> bool:
         return value, [record.op for record in log.records]
 
     for world_size in (2, 4):
-        results = _run_on_ranks(trial, world_size)
+        results = run_on_ranks(trial, world_size)
         if results is None:
             return False
         for rank, (value, ops) in enumerate(results):
