@@ -348,5 +348,5 @@ LLAMA3_405B = ModelConfig(vocab_size=128256, hidden=16384, num_layers=126, num_h
 
 def compare_published() -> list[dict]:
     """step_time on every published run of course_lib.published (one set of constants for all): see there."""
-    from .published import compare_published as compare   # published.py builds on this module
+    from .published import compare_published as compare  # published.py builds on this module
     return compare()

@@ -27,9 +27,8 @@ the "GB" of the GPU names are GiB. (The H100's driver shows a little less, 81,55
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from .comm import CostModel
 from .units import GiB
