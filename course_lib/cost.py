@@ -47,9 +47,8 @@ from .pipeline_parallel import bubble_fraction, partition_layers
 from .tensor_parallel import tp_step_traffic
 from .zero import wire_bytes_per_step
 
-# Assumed share of the dense peak that a whole step's compute runs at (see step_time). Set before comparing with
-# the published runs, not fitted to them: a large bf16 matmul reaches ~70-90% of peak, and the rest of a step
-# (norms, softmax, SiLU, rotary, kernel gaps) is counted in no FLOP formula but takes time.
+# The old flat model's share of the dense peak for a whole step's compute, kept for step_time's
+# ``compute_efficiency`` (a what-if); by default each operation is timed on its roofline (course_lib.operations).
 DEFAULT_EFFICIENCY = 0.6
 
 
@@ -134,6 +133,7 @@ class StepTime:
     links: dict[str, str] = field(default_factory=dict)   # axis -> link it uses
     optimizer_s: float = 0.0  # the optimizer step, once a step (memory-bound)
     operations: list[Operation] = field(default_factory=list)   # one micro-batch on the busiest GPU, by op
+    achieved_share: float = 0.0   # the busiest GPU's hardware FLOPs (the MFU count) / (compute time × peak)
 
     def breakdown(self) -> dict[str, float]:
         terms = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
@@ -259,13 +259,11 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
     stages = []
     for stage, layers in enumerate(partition_layers(config.num_layers, p)):
         ops = [op.times(len(layers)) for op in layer_ops] + (head_ops if stage == p - 1 else [])
-        if compute_efficiency is None:
-            compute = sum(op.seconds for op in ops)
-        else:
-            flops = len(layers) * layer_flops / t + (head_flops if stage == p - 1 else 0)
-            compute = flops / (compute_efficiency * hw.peak_flops)
-        stages.append((compute, len(layers) * tp_per_layer, pp_per_microbatch, ops))
-    compute, tp, pp, operations = max(stages, key=lambda stage: sum(stage[:3]))
+        flops = len(layers) * layer_flops / t + (head_flops if stage == p - 1 else 0)
+        compute = (sum(op.seconds for op in ops) if compute_efficiency is None
+                   else flops / (compute_efficiency * hw.peak_flops))
+        stages.append((compute, len(layers) * tp_per_layer, pp_per_microbatch, ops, flops))
+    compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
     stalled = bubble_fraction(p, v * m)    # 1F1B's idle share of the makespan, interleaved over v chunks
     bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
 
@@ -290,7 +288,8 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
                     tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
                     hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
                     links={"tp": tp_link.name, "pp": pp_link.name, "dp": dp_link.name},
-                    optimizer_s=optimizer, operations=operations)
+                    optimizer_s=optimizer, operations=operations,
+                    achieved_share=stage_flops / (compute * hw.peak_flops))
 
 
 # ------------------------------------------------------------------------------------------- 3. roofline
