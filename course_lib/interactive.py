@@ -93,13 +93,13 @@ def memory_stacks(rows: dict[str, dict[str, int]], *, capacity_bytes: int | None
 
 
 STEP_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "pp": "#9467bd", "dp": "#2ca02c",
-               "bubble": "#7f7f7f"}   # matplotlib's tab colours; the bubble grey, like the reserve: time nobody uses
+               "bubble": "#7f7f7f", "optimizer": "#8c564b"}   # matplotlib's tab colours; the bubble grey, like the reserve: time nobody uses
 
 
 def step_time_breakdown(rows: dict[str, dict[str, float]], *, title: str = "where one training step's time goes"
                         ) -> go.Figure:
     """One horizontal stacked bar per row (label → {term: seconds}, e.g. cost.StepTime.breakdown()), first row on
-    top: compute, tp, pp, dp, bubble, then any other term. Hover a segment for its seconds and its share of the
+    top: compute, tp, pp, dp, bubble, optimizer, then any other term. Hover a segment for its seconds and its share of the
     step; each bar's total is written at its end."""
     labels = list(rows)
     terms = [term for term in STEP_COLORS if any(term in row for row in rows.values())]

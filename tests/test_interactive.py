@@ -45,7 +45,7 @@ def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
                                   micro_batch_size=1, num_microbatches=8) for p in (1, 8)}
     rows = {label: step.breakdown() for label, step in steps.items()}
     fig = interactive.step_time_breakdown(rows)
-    assert [t.name for t in fig.data] == ["compute", "tp", "pp", "dp", "bubble"]
+    assert [t.name for t in fig.data] == ["compute", "tp", "pp", "dp", "bubble", "optimizer"]
     for label, step in steps.items():
         at = list(fig.data[0].y).index(label)
         assert sum(t.x[at] for t in fig.data) == pytest.approx(step.total_s)            # the bar ends at the step
@@ -55,5 +55,5 @@ def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
     assert "of the step" in bubble.hovertemplate
     assert list(fig.layout.yaxis.categoryarray) == list(rows)[::-1]                     # first row on top
     assert [a.text for a in fig.layout.annotations] == [f"{s.total_s:.3g} s" for s in steps.values()]
-    extra = interactive.step_time_breakdown({"a": {"compute": 1.0, "optimizer": 0.5}})
-    assert [t.name for t in extra.data] == ["compute", "optimizer"]                     # any other term after
+    extra = interactive.step_time_breakdown({"a": {"compute": 1.0, "data loading": 0.5}})
+    assert [t.name for t in extra.data] == ["compute", "data loading"]                  # any other term after
