@@ -358,3 +358,57 @@ def test_a_mixture_of_experts_costs_the_flops_of_its_active_experts():
     dense = forward_terms(preset("mixtral-8x7b", num_experts=0), batch_size=1, seq_len=128)
     assert moe["mlp"] == 2 * dense["mlp"] and moe["router"] == 32 * 2 * 128 * 4096 * 8
     assert {k: v for k, v in moe.items() if k not in ("mlp", "router")} == {k: v for k, v in dense.items() if k != "mlp"}
+
+
+# ------------------------------------------------------------------------------- time per operation
+
+def test_a_matmul_takes_the_longest_of_compute_memory_and_launch():
+    """[T, k] × [k, n] and its two backward GEMMs, each at max(2·T·k·n / rate, bytes / (share·HBM), launch), the
+    rate from hardware.matmul_rate: share · peak · f(T)·f(k)·f(n), f(x) = x / (x + 128)."""
+    from course_lib.hardware import matmul_rate
+    from course_lib.operations import matmul
+    gpu = find_gpu("A100 80GB")
+    big = matmul("w", gpu, 4096, 8192, 8192, 2, 3)
+    rate = 0.75 * 312e12 * (4096 / 4224) * (8192 / 8320) ** 2
+    assert matmul_rate(gpu, 4096, 8192, 8192) == pytest.approx(rate, rel=1e-12)
+    assert big.bound == "compute" and big.seconds == pytest.approx(3 * 2 * 4096 * 8192 * 8192 / rate, rel=1e-12)
+    skinny = matmul("w", gpu, 1, 8192, 8192, 2, 3)                  # one token: the weights' bytes dominate
+    nbytes = (8192 + 8192 * 8192 + 8192) * 2
+    assert skinny.bound == "memory" and skinny.seconds == pytest.approx(3 * nbytes / (HBM_SHARE * 2039e9), rel=1e-12)
+    tiny = matmul("w", gpu, 32, 64, 64, 2, 3)                       # tiny: the launch
+    assert tiny.bound == "launch" and tiny.seconds == pytest.approx(3 * KERNEL_LAUNCH_S)
+    assert big.flops / big.seconds > 3 * skinny.flops / skinny.seconds     # bigger shapes run closer to peak
+
+
+def test_causal_flash_attention_runs_half_the_square():
+    """What the kernel runs (time) is half of what MFU counts (the whole square, as Megatron-LM counts it);
+    backward runs 2.5 times forward's matmul work."""
+    from course_lib.operations import layer_operations
+    config, kw = preset("llama2-7b"), dict(micro_batch_size=1, seq_len=4096)
+    causal, full = (next(op for op in layer_operations(config, find_gpu("H100 SXM"), causal=c, **kw)
+                         if op.name == "attention core") for c in (True, False))
+    terms = forward_terms(config, batch_size=1, seq_len=4096)
+    square = (terms["attention scores"] + terms["attention values"]) / config.num_layers
+    assert full.flops == pytest.approx(3.5 * square) and causal.flops == pytest.approx(full.flops / 2)
+    assert causal.bound == "compute" and causal.seconds == pytest.approx(full.seconds / 2)
+
+
+def test_the_operations_add_up_to_the_compute_and_mfu_keeps_the_megatron_count():
+    config, mesh = preset("llama2-70b"), Mesh(dp=2, tp=8, pp=4)
+    step = step_time(config, mesh, gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=16,
+                     sequence_parallel=True)
+    assert sum(op.seconds for op in step.operations) * 16 == pytest.approx(step.compute_s, rel=1e-12)
+    assert {op.bound for op in step.operations} == {"compute", "memory"}
+    norms = next(op for op in step.operations if op.name == "RMSNorm ×2")
+    assert norms.seconds == pytest.approx(norms.bytes / (HBM_SHARE * 3.35e12), rel=1e-12)
+    model = flops_per_step(config, batch_size=2 * 16, seq_len=4096).model           # Narayanan eq. 3's count
+    assert step.mfu == pytest.approx(model / (step.total_s * 989e12 * 64), rel=1e-12)
+    assert 0.3 < step.achieved_share < 0.67                   # below the large-GEMM share: the memory-bound rest
+
+
+def test_a_tiny_model_is_launch_bound():
+    """Hidden 64: every kernel finishes before the next one could be launched. A fixed share of peak would call
+    this 60% MFU; the roofline says well under 1%."""
+    step = step_time(preset("tiny"), Mesh(), gpu="A100 80GB", seq_len=64, micro_batch_size=8, num_microbatches=1)
+    assert all(op.bound == "launch" for op in step.operations)
+    assert step.mfu < 0.01
