@@ -31,7 +31,10 @@ The 6ND rule: 6 · (all parameters) · (tokens), which counts each weight's mult
 (4), misses attention's s-dependent term and counts the embedding table as if it were a matmul. For llama2-7b
 at s = 4096 it is 12.3% below the exact count; for llama2-70b 6.9%.
 
-2. Step time (see step_time), 3. a roofline for one layer (see roofline), 4. published runs (PUBLISHED_RUNS).
+2. Step time (see step_time): each operation of a micro-batch timed on its roofline (course_lib.operations, with
+hardware.py's GEMM curve), then the communication that is left exposed, the bubble and the optimizer. MFU and
+HFU keep the FLOP count above (Narayanan et al. eq. 3 on GPT shapes), whatever the kernels run. 3. a roofline
+for one layer (see roofline), 4. published runs (course_lib.published; compare_published).
 """
 
 from __future__ import annotations

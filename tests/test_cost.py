@@ -289,6 +289,7 @@ def test_the_catalogue_says_where_each_figure_comes_from():
     assert set(GPUS) == {"A100 40GB", "A100 80GB", "H100 SXM", "H200 SXM"}
     for gpu in GPUS.values():
         assert gpu.source and gpu.nvlink.source and gpu.network.source
+        assert 0 < gpu.attention_share < gpu.matmul_share < 1           # shares of the peak (GEMM_SOURCES)
         assert gpu.nvlink.bytes_per_s > 5 * gpu.network.bytes_per_s    # the reason TP stays in the node
     assert find_gpu("H200 SXM").hbm_bytes_per_s == 4.8e12 and find_gpu("A100 40GB").peak_flops == 312e12
     assert LINKS["NVLink 4"].bytes_per_s == 450e9 and LINKS["IB NDR 400"].bytes_per_s == 50e9   # notebook 04
