@@ -34,7 +34,8 @@ at s = 4096 it is 12.3% below the exact count; for llama2-70b 6.9%.
 2. Step time (see step_time): each operation of a micro-batch timed on its roofline (course_lib.operations, with
 hardware.py's GEMM curve), then the communication that is left exposed, the bubble and the optimizer. MFU and
 HFU keep the FLOP count above (Narayanan et al. eq. 3 on GPT shapes), whatever the kernels run. 3. a roofline
-for one layer (see roofline), 4. published runs (course_lib.published; compare_published).
+for one layer (see roofline), 4. the published runs live in course_lib.published (compare_published), which
+builds on this module.
 """
 
 from __future__ import annotations
@@ -348,8 +349,3 @@ def gpt_config(*, hidden: int, num_layers: int, num_heads: int, seq_len: int = 2
 LLAMA3_405B = ModelConfig(vocab_size=128256, hidden=16384, num_layers=126, num_heads=128, num_kv_heads=8,
                           intermediate=53248, max_seq_len=8192, rope_theta=500000.0)   # Table 3; vocab: config.json
 
-
-def compare_published() -> list[dict]:
-    """step_time on every published run of course_lib.published (one set of constants for all): see there."""
-    from .published import compare_published as compare  # published.py builds on this module
-    return compare()

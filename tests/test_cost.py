@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.cost import (
-    compare_published,
     flops_per_step,
     forward_terms,
     gpt_config,
@@ -21,7 +20,7 @@ from course_lib.cost import (
 from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
-from course_lib.published import PUBLISHED_RUNS
+from course_lib.published import PUBLISHED_RUNS, compare_published
 
 BATCH, SEQ = 2, 16
 
