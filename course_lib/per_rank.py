@@ -92,22 +92,42 @@ def data_parallel_state_bytes(config, mesh: Mesh, stage: int, zero_stage: int, *
     return {part: sum(state[part] for state in states) for part in states[0]}
 
 
-def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                                 accumulation_steps: int = 1) -> dict[str, float]:
-    """Bytes one rank of ``stage`` sends per optimizer step to average its gradients (and, ZeRO 1-3, gather its
-    weights), by op: zero.wire_bytes_per_step of each data_parallel_parts entry over its group, or
-    hsdp.hsdp_wire_bytes_per_step where it has replicas. ``accumulation_steps``: micro-steps per optimizer
-    step (a pipeline's micro-batches: ZeRO-2 and -3 reduce, ZeRO-3 gathers, in each of them)."""
-    total: dict[str, float] = {}
+def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
+                          accumulation_steps: int = 1) -> list[dict]:
+    """What one rank of ``stage`` sends per optimizer step to average its gradients (ZeRO 1-3: and gather its
+    weights), group by group: [{"group", "size", "span", "ops"}]. "group" names the mesh's group ("dp_cp",
+    "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
+    "span" is how many consecutive ranks the group reaches across (its link: inside a node when the span fits
+    one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step).
+    ``accumulation_steps``: micro-steps per optimizer step (a pipeline's micro-batches: ZeRO-2 and -3 reduce,
+    ZeRO-3 gathers, in each of them)."""
+    replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
+    traffic = []
     for count, group, replicas in data_parallel_parts(config, mesh, stage):
         if replicas > 1:
             if zero_stage != 3:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
                                  "inside each replica (zero_stage=3)")
             ops = hsdp_wire_bytes_per_step(count * grad_bytes, group, replicas, accumulation_steps)
+            across = ops.pop("all_reduce")
+            traffic += [{"group": "dp_shard_cp", "size": group, "span": replica_span, "ops": ops},
+                        {"group": "dp_replicate", "size": replicas, "span": mesh.dp * mesh.cp * mesh.tp,
+                         "ops": {"all_reduce": across}}]
         else:
-            ops = wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)
-        for op, nbytes in ops.items():
+            name = "dp_cp" if group == mesh.dp * mesh.cp else "expert_dp"
+            traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp,
+                            "ops": wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)})
+    return traffic
+
+
+def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
+                                 accumulation_steps: int = 1) -> dict[str, float]:
+    """data_parallel_traffic's bytes by op, over all its groups: what one rank sends per optimizer step to
+    average its gradients."""
+    total: dict[str, float] = {}
+    for part in data_parallel_traffic(config, mesh, stage, zero_stage, grad_bytes=grad_bytes,
+                                      accumulation_steps=accumulation_steps):
+        for op, nbytes in part["ops"].items():
             total[op] = total.get(op, 0) + nbytes
     return total
 
