@@ -120,15 +120,18 @@ class WorkerGroup:
         self._store = _loopback_store()
         self.store_port = self._store.port
         cpus = len(os.sched_getaffinity(0))
-        threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
-        ctx = _context()
-        self.procs, self.conns, self._outputs = [], [], {}
+        self._threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
+        self._exit_after_error = exit_after_error
+        self._ctx = _context()
+        # Only this process holds the write end: when it dies, every rank reads EOF and ends (rank_process).
+        self._notebook_alive, self._alive_w = self._ctx.Pipe(duplex=False)
+        self.procs, self.conns, self._outputs = [None] * world_size, [None] * world_size, {}
         self._busy = True  # until the group has formed: close() kills at once
         self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
         line = WaitLine()
         try:
             for rank in range(world_size):
-                self._start_rank(ctx, rank, self.store_port, threads, exit_after_error)
+                self._start_rank(rank)
                 if rank == 0:  # its start includes the forkserver's first (~3 s, importing torch): not counted,
                     line = WaitLine()  # as no line could be updated while it lasts
                 line.show(f"starting the ranks' processes: {rank + 1} of {world_size}")
@@ -144,13 +147,14 @@ class WorkerGroup:
         line.end(f"the process group of {world_size} ranks formed")
         self._busy = False
 
-    def _start_rank(self, ctx, rank: int, store_port: int, threads: int, exit_after_error: bool) -> None:
-        """Start the process of ``rank``; it will join the group through the store at ``store_port``."""
-        conn, child_conn = ctx.Pipe()
-        out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
-        err_r, err_w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
-            rank, self.world_size, self.backend, store_port, threads, exit_after_error, child_conn, out_w, err_w))
+    def _start_rank(self, rank: int, generation: int = 0) -> None:
+        """Start the process of ``rank``; it will join the group (of ``generation``) through the store."""
+        conn, child_conn = self._ctx.Pipe()
+        out_r, out_w = self._ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
+        err_r, err_w = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
+            rank, self.world_size, self.backend, self.store_port, self._threads, self._exit_after_error, child_conn,
+            out_w, err_w, self._notebook_alive, generation))
         with _main_module_hidden():
             proc.start()
         for end in (child_conn, out_w, err_w):  # the worker holds these now
@@ -158,8 +162,38 @@ class WorkerGroup:
         for stream, reader in (("stdout", out_r), ("stderr", err_r)):
             os.set_blocking(reader.fileno(), False)
             self._outputs[reader.fileno()] = (rank, stream, reader)
-        self.procs.append(proc)
-        self.conns.append(conn)
+        self.procs[rank], self.conns[rank] = proc, conn
+
+    def dead(self) -> list[int]:
+        """The ranks whose process has ended (killed by the out-of-memory killer, say)."""
+        return [r for r, proc in enumerate(self.procs) if not proc.is_alive()]
+
+    def exit_description(self, rank: int) -> str:
+        """How the process of ``rank`` ended, e.g. "exit code -9, killed by SIGKILL (out of memory?)"."""
+        self.procs[rank].join(timeout=1)
+        return f"exit code {_describe_exit(self.procs[rank].exitcode)}"
+
+    def restart_ranks(self, ranks: list[int], generation: int) -> None:
+        """Replace the processes of ``ranks`` (ended, or to be ended) with fresh ones that join the process group
+        of ``generation``; the caller has the other ranks join it too, then collects everyone's reply (a fresh
+        rank says ("ok", "joined"))."""
+        for r in ranks:
+            self._end_rank(r)
+            self._start_rank(r, generation)
+        self._sent_sources.clear()  # the fresh ranks have none of the notebook's cells: send them all again
+
+    def _end_rank(self, rank: int) -> None:
+        """Kill the process of ``rank`` and everything it started; close what connected us to it."""
+        self.conns[rank].close()
+        proc = self.procs[rank]
+        _kill_group(proc.pid)
+        proc.join(timeout=5)
+        _kill_group(proc.pid)  # anything its last moments started
+        for fd, (r, _, reader) in list(self._outputs.items()):
+            if r == rank:
+                self._pump_output()
+                reader.close()
+                del self._outputs[fd]
 
     def _wait_until_formed(self, timeout: float, line: WaitLine) -> None:
         """Wait until every rank says "joined" (after init_process_group and a barrier). Raises the RankError
@@ -229,7 +263,10 @@ class WorkerGroup:
         task = dumps((fn, kwargs or {}, sources))
         self._busy = True
         for r in ranks:
-            self.conns[r].send_bytes(task)
+            try:
+                self.conns[r].send_bytes(task)
+            except OSError:  # BrokenPipeError: the rank's process has ended; its reply will say how (_receive)
+                pass
 
     def collect(self, ranks: list[int], *, timeout: float, stop_at_error: bool) -> dict:
         """Wait for the replies of ``ranks``, relaying their output meanwhile.
@@ -274,6 +311,8 @@ class WorkerGroup:
             code = _describe_exit(self.procs[rank].exitcode)
             # A silent death comes before the errors it causes in its peers: rank it first (time 0).
             return "error", RankError(rank, f"the process died (exit code {code}) without reporting an error", when=0.0)
+        except Exception as error:  # the reply came, but cannot be rebuilt here (a class this process lacks)
+            return "error", RankError(rank, f"its reply could not be read here: {type(error).__name__}: {error}")
         if kind == "ok":
             return "ok", payload[0]
         when, summary, tb = payload
@@ -321,20 +360,24 @@ class WorkerGroup:
         self._partial.clear()
 
     def close(self):
-        """Stop every worker and everything it started; safe to call twice."""
+        """Stop every worker and everything it started (its whole process group, whether the worker itself is
+        still running or not), and the store; safe to call twice."""
         with sigint_ignored():  # a second press of Jupyter's stop button must not leave orphans
+            started = [proc for proc in self.procs if proc is not None]
             for conn in self.conns:
-                conn.close()  # a worker waiting for a task sees EOF and exits by itself
+                if conn is not None:
+                    conn.close()  # a worker waiting for a task sees EOF and exits by itself
             end = time.monotonic() + (0.0 if self._busy else 1.0)  # a busy one (error, interrupt) is killed
-            for proc in self.procs:
+            for proc in started:
                 proc.join(timeout=max(0.0, end - time.monotonic()))
-            for proc in self.procs:
-                if proc.is_alive():
-                    _kill_tree(proc.pid)
+            for proc in started:
+                _kill_group(proc.pid)  # a rank that ended leaves what it started running: `sleep 300`, say
                 proc.join(timeout=5)  # bounded: a cleanup must never be what hangs
+            self._alive_w.close()  # any rank still there now reads EOF and ends itself with its group
             for _, _, reader in self._outputs.values():
                 reader.close()
             self._outputs.clear()
+            self._store = None  # its server stops listening as the last reference goes
 
 
 def _loopback_store() -> dist.TCPStore:
@@ -377,14 +420,14 @@ def _describe_exit(code) -> str:
     return str(code)
 
 
-def _kill_tree(pid: int) -> None:
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group that the worker ``pid`` leads (it called setpgrp): the worker and every process
+    it started that did not leave the group. The group outlives its leader while any member lives."""
     try:
-        os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
-    except (ProcessLookupError, PermissionError):
-        try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in the group
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
+from course_lib.arguments import integer
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, loss_fn, preset
 from course_lib.train import reference_run
@@ -70,10 +71,17 @@ def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, 
             "max_memory_allocated": peak_memory()}
 
 
+def check_arguments(args) -> None:
+    """Rules between arguments, checked before any rank starts (common.parse)."""
+    if args.global_batch % args.world_size:
+        raise ValueError(f"--global-batch {args.global_batch} is not divisible by --world-size {args.world_size}: "
+                         "every rank takes an equal slice of each batch")
+
+
 def main(argv=None):
     parser = lab_parser(__doc__, steps=30)
-    parser.add_argument("--global-batch", type=int, default=16)
-    args = parse(parser, argv)
+    parser.add_argument("--global-batch", type=integer(1), default=16, help="rows per step, split over the ranks")
+    args = parse(parser, argv, check=check_arguments)
     overrides = model_overrides(args)
     results = launch(data_parallel_training, args.world_size, backend=args.backend, overrides=overrides,
                      steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
