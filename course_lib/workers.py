@@ -189,9 +189,9 @@ class WorkerGroup:
         _kill_group(proc.pid)
         proc.join(timeout=5)
         _kill_group(proc.pid)  # anything its last moments started
+        self._pump_output()  # its last words (a reader at EOF is dropped there)
         for fd, (r, _, reader) in list(self._outputs.items()):
             if r == rank:
-                self._pump_output()
                 reader.close()
                 del self._outputs[fd]
 

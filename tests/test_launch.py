@@ -199,9 +199,15 @@ class RankOneAstray(WorkerGroup):
     nobody_listens_here = 0          # set by the test
     started: list[int] = []          # the process ids, to check that none is left
 
-    def _start_rank(self, ctx, rank, store_port, *args):
-        super()._start_rank(ctx, rank, self.nobody_listens_here if rank == 1 else store_port, *args)
-        self.started.append(self.procs[-1].pid)
+    def _start_rank(self, rank, generation=0):
+        store_port = self.store_port
+        if rank == 1:
+            self.store_port = self.nobody_listens_here
+        try:
+            super()._start_rank(rank, generation)
+        finally:
+            self.store_port = store_port
+        self.started.append(self.procs[rank].pid)
 
 
 def test_a_group_that_does_not_form_is_reported_as_that_with_the_ranks_that_never_joined(capsys):
