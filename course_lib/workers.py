@@ -8,22 +8,19 @@ reply is ``("ok", value)`` or ``("error", when, summary, traceback)``. ``launch.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
-import types
 from typing import Callable
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .rank_process import LOOPBACK, arrival_key, worker_main
+from .processes import describe_exit, kill_group, loopback_store, main_module_hidden, sigint_ignored
+from .rank_process import arrival_key, worker_main
 from .tracebacks import (
     PLUMBING_FILES,
     GroupNotFormed,
@@ -117,7 +114,7 @@ class WorkerGroup:
         self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
         self._partial: dict[tuple[int, str], str] = {}
         # The rendezvous: this process hosts the store, on a free port the OS picks, on loopback only.
-        self._store = _loopback_store()
+        self._store = loopback_store()
         self.store_port = self._store.port
         cpus = len(os.sched_getaffinity(0))
         self._threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
@@ -155,7 +152,7 @@ class WorkerGroup:
         proc = self._ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
             rank, self.world_size, self.backend, self.store_port, self._threads, self._exit_after_error, child_conn,
             out_w, err_w, self._notebook_alive, generation))
-        with _main_module_hidden():
+        with main_module_hidden():
             proc.start()
         for end in (child_conn, out_w, err_w):  # the worker holds these now
             end.close()
@@ -171,7 +168,7 @@ class WorkerGroup:
     def exit_description(self, rank: int) -> str:
         """How the process of ``rank`` ended, e.g. "exit code -9, killed by SIGKILL (out of memory?)"."""
         self.procs[rank].join(timeout=1)
-        return f"exit code {_describe_exit(self.procs[rank].exitcode)}"
+        return f"exit code {describe_exit(self.procs[rank].exitcode)}"
 
     def restart_ranks(self, ranks: list[int], generation: int) -> None:
         """Replace the processes of ``ranks`` (ended, or to be ended) with fresh ones that join the process group
@@ -186,9 +183,9 @@ class WorkerGroup:
         """Kill the process of ``rank`` and everything it started; close what connected us to it."""
         self.conns[rank].close()
         proc = self.procs[rank]
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         proc.join(timeout=5)
-        _kill_group(proc.pid)  # anything its last moments started
+        kill_group(proc.pid)  # anything its last moments started
         self._pump_output()  # its last words (a reader at EOF is dropped there)
         for fd, (r, _, reader) in list(self._outputs.items()):
             if r == rank:
@@ -308,7 +305,7 @@ class WorkerGroup:
             kind, *payload = cloudpickle.loads(self.conns[rank].recv_bytes())
         except (EOFError, OSError):  # the process is gone without a word
             self.procs[rank].join(timeout=1)
-            code = _describe_exit(self.procs[rank].exitcode)
+            code = describe_exit(self.procs[rank].exitcode)
             # A silent death comes before the errors it causes in its peers: rank it first (time 0).
             return "error", RankError(rank, f"the process died (exit code {code}) without reporting an error", when=0.0)
         except Exception as error:  # the reply came, but cannot be rebuilt here (a class this process lacks)
@@ -371,7 +368,7 @@ class WorkerGroup:
             for proc in started:
                 proc.join(timeout=max(0.0, end - time.monotonic()))
             for proc in started:
-                _kill_group(proc.pid)  # a rank that ended leaves what it started running: `sleep 300`, say
+                kill_group(proc.pid)  # a rank that ended leaves what it started running: `sleep 300`, say
                 proc.join(timeout=5)  # bounded: a cleanup must never be what hangs
             self._alive_w.close()  # any rank still there now reads EOF and ends itself with its group
             for _, _, reader in self._outputs.values():
@@ -380,65 +377,5 @@ class WorkerGroup:
             self._store = None  # its server stops listening as the last reference goes
 
 
-def _loopback_store() -> dist.TCPStore:
-    """The rendezvous store, listening on 127.0.0.1 only.
-
-    TCPStore's server listens on every interface whatever host it is given (``ss -ltn`` shows ``*:PORT``;
-    torch 2.13, libuv and legacy backends alike), so anyone on the network could read and write the keys
-    that wire the ranks together. So we bind the socket to loopback ourselves (port 0: the OS picks a free
-    port, no two notebooks collide) and hand it to the store, which owns the descriptor from then on (it
-    closes it when it is destroyed; hence ``detach``, or Python would close it a second time).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        port = sock.getsockname()[1]
-        return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
-    We ship code by value, so skip it: faster, and it works from ``python -c``, stdin, or a script
-    without an ``if __name__ == "__main__"`` guard."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
 def _print_with_prefix(rank: int, stream: str, line: str) -> None:
     (sys.stderr if stream == "stderr" else sys.stdout).write(f"[rank {rank}] {line}")
-
-
-def _describe_exit(code) -> str:
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return f"{code}, killed by {name}{hint}"
-    return str(code)
-
-
-def _kill_group(pid: int) -> None:
-    """SIGKILL to the process group that the worker ``pid`` leads (it called setpgrp): the worker and every process
-    it started that did not leave the group. The group outlives its leader while any member lives."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # nothing left in the group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """Ctrl-C (Jupyter's stop button) is ignored inside the block: for cleanups that must not be cut short."""
-    try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: signals are not ours to change
-        old = None
-    try:
-        yield
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -198,3 +199,14 @@ def test_tensor_parallel_under_bf16_autocast_sends_what_the_formula_says(tmp_pat
     assert record["predicted"]["backward_payload_bytes_each"] == batch * seq * hidden * 4
     assert record["payload_bytes_per_step"] == 8 * record["config"]["num_layers"] * batch * seq * hidden * 3 // 2
     assert "older version" not in describe("tensor_parallel", tmp_path)
+
+
+def test_the_slurm_example_gives_each_task_its_cpus_and_a_port_of_its_own():
+    script = (REPO / "labs" / "slurm_example.sbatch").read_text()
+    assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in script   # srun does not inherit it since 22.05
+    assert "SLURM_JOB_ID %" in script and ":29500" not in script        # a port per job, not a fixed one
+    assert "NCCL_SOCKET_IFNAME" in script and "GLOO_SOCKET_IFNAME" in script
+    if shutil.which("shellcheck"):                                      # apt-get install shellcheck
+        checked = subprocess.run(["shellcheck", str(REPO / "labs" / "slurm_example.sbatch")], capture_output=True,
+                                 text=True)
+        assert checked.returncode == 0, checked.stdout
