@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
 from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
@@ -277,26 +278,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
                         help="a model of course_lib.model.PRESETS (default llama2-70b)")
-    parser.add_argument("--world-size", type=int,
+    ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.arguments: a bad value is one line, exit code 2
+    parser.add_argument("--world-size", type=ranks,
                         help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
-    parser.add_argument("--dp", type=int)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism: ring attention over s/cp tokens")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
-    parser.add_argument("--dp-replicate", type=int, default=1,
+    parser.add_argument("--dp", type=ranks)
+    parser.add_argument("--tp", type=ranks, default=1)
+    parser.add_argument("--pp", type=ranks, default=1)
+    parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
+    parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
+    parser.add_argument("--dp-replicate", type=ranks, default=1,
                         help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--num-microbatches", type=int, default=1)
-    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
+    parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0)
+    parser.add_argument("--seq-len", type=integer(1), default=4096)
+    parser.add_argument("--micro-batch-size", type=integer(1), default=1)
+    parser.add_argument("--num-microbatches", type=integer(1, MAX_VIRTUAL_MICROBATCHES), default=1,
+                        help=f"at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: ~0.06 s for a 70B stack)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+                        help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
     parser.add_argument("--num-chunks", type=int, default=1, help="layer chunks per stage (--schedule interleaved)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     args = parser.parse_args(argv)
+    size = (args.dp or 1) * args.tp * args.pp * args.cp * (args.dp_replicate if args.dp is None else 1)
+    if size > MAX_VIRTUAL_WORLD:   # each degree is in range, their product need not be
+        parser.error(f"dp × tp × pp × cp = {size:,} ranks: more than the {MAX_VIRTUAL_WORLD:,} a virtual world "
+                     "may have (course_lib.arguments.MAX_VIRTUAL_WORLD)")
     try:
         config = preset(args.preset)
         if args.dp is None:
