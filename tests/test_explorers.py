@@ -228,8 +228,26 @@ def test_plan_explorer_answers_the_five_questions_and_draws_every_recipe_with_it
     assert not panel.plan.fits and panel.plan.source is None and "on 8 GPUs" in drawn[-1].title
     assert list(drawn[-1].args[0]) == [f"{name} over 8 (state only)" for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
     assert "at least 13 GPUs" in capsys.readouterr().out
-    panel.controls["model"].value = "tiny"
-    assert panel.plan.fits and drawn[-1].title.startswith("tiny on 8 GPUs")
+    assert "tiny" not in panel.controls["model"].options       # 4,096 tokens and a share of peak mean nothing there
+    panel.controls["model"].value = "1B (TinyLlama-1.1B)"
+    assert panel.plan.fits and drawn[-1].title.startswith("1B (TinyLlama-1.1B) on 8 GPUs")
+    assert "full recomputation" in drawn[-1].title
+    panel.controls["recompute"].value = "none"
+    assert "no recomputation" in drawn[-1].title
+
+
+def test_plan_explorer_marks_one_chosen_recipe_and_labels_layouts_that_differ_in_bytes_apart(drawn):
+    """1B on one GPU: several recipes end at dp1×tp1×pp1, but only the fastest is chosen, and ZeRO-3's bar (one
+    layer gathered beside its shards) is labelled apart from the others, which hold the same bytes."""
+    panel = explorers.plan_explorer(model="1B (TinyLlama-1.1B)", num_gpus=1, recompute="full")
+    rows = drawn[-1].args[0]
+    assert panel.plan.fits and sum(label.startswith("▶ ") for label in rows) == 1
+    assert next(iter(rows)).startswith("questions 1-3") and list(rows)[1].startswith("▶ " + panel.plan.candidates[0].recipe)
+    by_label = {}
+    for label, parts in rows.items():
+        by_label.setdefault(label.split(": ", 1)[1], set()).add(sum(parts.values()))
+    assert all(len(totals) == 1 for totals in by_label.values()), by_label
+    assert "dp1×tp1×pp1, no dp, ZeRO-3's gathered layer" in by_label
 
 
 def test_plan_explorer_prints_an_impossible_request_and_every_bad_smell(drawn, capsys, monkeypatch):
