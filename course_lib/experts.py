@@ -30,7 +30,9 @@ Load-balancing loss (Switch Transformer eq. 4, GShard): a router left alone send
 
 It is 1 when routing is even (f_i = P_i = 1/E) and grows as the router favours the experts it already fills.
 f counts (no gradient); the gradient flows through P and lowers the probability of busy experts. Training adds
-α·loss (α = 0.01 in Switch, 0.02 in Mixtral) to the language-model loss: ``total_aux_loss(model)``.
+α·loss (α = 0.01 in the Switch paper; 0.02 in Mixtral's released configuration, ``router_aux_loss_coef`` of
+its Hugging Face config.json, which the Mixtral paper does not state) to the language-model loss:
+``total_aux_loss(model)``.
 
 Expert parallelism over an EP group of ep ranks (``apply_ep``): rank r keeps experts [r·E/ep, (r+1)·E/ep)
 (E % ep == 0) and its own tokens. Everything else, the router included, is replicated, as in data

@@ -49,7 +49,11 @@ stay global. New, and traced: (1) the first layer a rank runs takes its slice an
 gathered whole (backward: all-gather, and keep the slice), so embedding, final norm, head, loss and pipeline
 stage boundaries see whole activations: one all-gather each way per step and stage; (2) a norm's weight meets
 only this rank's tokens, so its gradient is a sum over ranks: f on the weight (2 all-reduces of d values per
-layer). The column layers' gathered input stays whole (ledger.gpt_layer_activation_bytes says why).
+layer, in every backward). Megatron-LM instead all-reduces the SP norms' gradients once per step, before the
+optimizer (``finalize_model_grads``); the course sums them in backward so that every gradient is whole the
+moment backward returns, as in the other notebooks: m micro-batches of accumulation cost m times Megatron's
+count of these small all-reduces. The column layers' gathered input stays whole (ledger.gpt_layer_activation_bytes
+says why).
 """
 
 from __future__ import annotations
