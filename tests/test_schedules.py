@@ -294,12 +294,12 @@ def torch_zb_h1_orders(p: int, m: int) -> list[list[tuple[str, int]]] | None:
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_zb_h1_is_torch_s_interleaved_zero_bubble_op_for_op_for_every_m_up_to_16(p):
-    compared = 0
+    compared = []
     for m in range(p, 17):
         theirs = torch_zb_h1_orders(p, m)
         if theirs is None:
             assert m % (m // p) != 0                         # only where torch refuses the micro-batch count
             continue
         assert theirs == [[tuple(a[:2]) for a in acts] for acts in schedule_actions("zb-h1", p, m)], (p, m)
-        compared += 1
-    assert compared >= 8 and torch_zb_h1_orders(p, 16) is not None     # m = 16 among them
+        compared.append(m)
+    assert len(compared) >= 8 and compared[-1] >= 15
