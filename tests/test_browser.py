@@ -1,7 +1,8 @@
 """End to end, as a learner: real JupyterLab in headless Chromium opens every notebook fresh (no raw widget text,
 no answer on screen, no prediction's reveal showing anything), runs it from the menu (each reveal then asks for a
-guess first), moves one control of its explorer and sees the figure change; in notebook 00 it also answers the exercise wrong and then right, asks for a world far beyond the machine, and stops
-a long %%ranks cell with the stop button.
+guess first), moves one control of its explorer and sees the figure change; in notebook 00 it also answers the
+exercise wrong and then right, asks for a world far beyond the machine, and stops a long %%ranks cell with the
+stop button.
 
 Needs Debian's `chromium` (`.ci/run` installs it) and the `playwright` package, which drives that system
 browser (no browser download). Skipped where chromium is missing, unless COURSE_REQUIRE_BROWSER=1 (as in CI).
