@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from common import lab_parser, model_overrides, parse, reports, write_record
 from course_lib import launch
+from course_lib.arguments import integer
 from course_lib.launch import RankError
 from course_lib.launch import _leave_cleanly as leave_cleanly  # launch's exit under torchrun
 from course_lib.model import preset
@@ -68,10 +69,10 @@ def attempt(rank, world_size, *, first: bool, root: str, **kwargs):
 
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=8, steps=8, lr=1e-2, autocast=False)
-    parser.add_argument("--every", type=int, default=3, help="steps between checkpoints")
-    parser.add_argument("--kill-at", type=int, default=5, help="the step in which a rank dies")
-    parser.add_argument("--kill-rank", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--every", type=integer(1), default=3, help="steps between checkpoints")
+    parser.add_argument("--kill-at", type=integer(0), default=5, help="the step in which a rank dies")
+    parser.add_argument("--kill-rank", type=integer(0), default=1)
+    parser.add_argument("--batch-size", type=integer(1), default=8)
     parser.add_argument("--no-kill", action="store_true",
                         help="kill nobody (torchrun without --max-restarts, as make gpu-check runs it): save, resume "
                              "in another layout, compare")
