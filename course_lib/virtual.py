@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
 from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
@@ -78,10 +79,11 @@ from .per_rank import (
     activation_bytes_per_rank,
     data_parallel_bytes_per_step,
     data_parallel_state_bytes,
+    layers_per_rank,
     microbatches_in_flight,
     sent_bytes_per_rank,
 )
-from .pipeline_parallel import StepRecorder, partition_layers
+from .pipeline_parallel import StepRecorder, stage_chunks
 from .tensor_parallel import tp_step_traffic
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -120,11 +122,13 @@ class MetaFlashAttention(TorchFunctionMode):
 
 
 def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
-                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype) -> Parallelism:
+                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype,
+                   num_chunks: int = 1) -> Parallelism:
     """The errors a real run would raise, before any group is made: parallelize's own checks (the mesh's, the
     schedule's, the same messages), ZeRO's, and the model's limit on the sequence. Returns parallelize's options."""
     check_zero_stage(zero_stage)
     options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
+                          num_chunks=num_chunks,
                           num_microbatches=num_microbatches, data_parallel=mesh.ep == 1)
     options.check(config, mesh, batch_size=mesh.dp * micro_batch_size * num_microbatches, seq_len=seq_len)
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
@@ -135,6 +139,9 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
+    if num_chunks > 1 and recompute == "full":
+        raise ValueError("recompute='full' with num_chunks > 1: its peak is a formula's, and the course has none "
+                         "for an interleaved schedule")
     if config.num_experts and recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: its peak is a formula's, and the course "
                          "has no activation formula for its MoE layer")
@@ -143,7 +150,8 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
 
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
              num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
-             sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
+             sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16,
+             num_chunks: int = 1) -> dict:
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
     Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
@@ -156,7 +164,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     start = time.perf_counter()
     workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                     zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
-                    schedule=schedule, dtype=dtype)
+                    schedule=schedule, dtype=dtype, num_chunks=num_chunks)
     options = check_workload(config, mesh, **workload)
     coords = mesh.coords(rank)
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
@@ -183,11 +191,13 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                 state = measure_state_bytes(data_parallel, data_parallel.optimizer)
         if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
             logs["dp"].records.extend(replicas.records)
-    layers = [i for i, layer in enumerate(stage.layers) if not isinstance(layer, torch.nn.Identity)]
+    held = [[i for i, layer in enumerate(chunk.layers) if not isinstance(layer, torch.nn.Identity)]
+            for chunk in stage_chunks(stage)]
+    layers = [[chunk[0], chunk[-1] + 1] for chunk in held]
     # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
     result = {
         "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
-        "layers": [layers[0], layers[-1] + 1],
+        "layers": layers[0] if num_chunks == 1 else layers,       # v > 1: each chunk's [first, last + 1)
         "state_bytes": ({part: state[part] for part in ("weights", "grads", "optimizer", "total")}
                         if data_parallel else None),
         "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight),
@@ -225,7 +235,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 
 def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
-             schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
+             schedule: str = "1f1b", dtype=torch.bfloat16, num_chunks: int = 1) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
     optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
@@ -234,13 +244,13 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     group, so where the group does not divide a unit the run holds and sends a little more: fewer than dp
     parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
     hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
-    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations have
-    no formula: None."""
+    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations, and an
+    interleaved schedule's (``num_chunks`` > 1), have no formula: None."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
-    if config.num_experts:
-        activations = {"peak": None, "per_microbatch": None,
-                       "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
+    if config.num_experts or num_chunks > 1:
+        activations = {"peak": None, "per_microbatch": None, "in_flight": None if num_chunks > 1 else
+                       microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
     else:
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, num_microbatches=num_microbatches,
@@ -248,15 +258,15 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                                                 sequence_parallel=sequence_parallel)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
-                               sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks)
     if sequence_parallel:     # the layers' bytes are plain TP's; apply_tp's SP adds its ends and norm weights
-        layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+        layers = layers_per_rank(config, mesh, stage, num_chunks)
         sent["tp"] = num_microbatches * tp_step_traffic(config, micro_batch_size, seq_len, mesh.tp, e, True,
                                                         num_layers=layers)["wire_bytes_per_rank"]
     dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
-                                          accumulation_steps=num_microbatches)
+                                          accumulation_steps=num_microbatches, num_chunks=num_chunks)
     state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
-                                      optimizer_bytes=12)
+                                      optimizer_bytes=12, num_chunks=num_chunks)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
@@ -268,25 +278,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
                         help="a model of course_lib.model.PRESETS (default llama2-70b)")
-    parser.add_argument("--world-size", type=int,
+    ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.arguments: a bad value is one line, exit code 2
+    parser.add_argument("--world-size", type=ranks,
                         help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
-    parser.add_argument("--dp", type=int)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism: ring attention over s/cp tokens")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
-    parser.add_argument("--dp-replicate", type=int, default=1,
+    parser.add_argument("--dp", type=ranks)
+    parser.add_argument("--tp", type=ranks, default=1)
+    parser.add_argument("--pp", type=ranks, default=1)
+    parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
+    parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
+    parser.add_argument("--dp-replicate", type=ranks, default=1,
                         help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--num-microbatches", type=int, default=1)
-    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
+    parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0)
+    parser.add_argument("--seq-len", type=integer(1), default=4096)
+    parser.add_argument("--micro-batch-size", type=integer(1), default=1)
+    parser.add_argument("--num-microbatches", type=integer(1, MAX_VIRTUAL_MICROBATCHES), default=1,
+                        help=f"at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: ~0.06 s for a 70B stack)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+                        help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
+    parser.add_argument("--num-chunks", type=int, default=1, help="layer chunks per stage (--schedule interleaved)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     args = parser.parse_args(argv)
+    size = (args.dp or 1) * args.tp * args.pp * args.cp * (args.dp_replicate if args.dp is None else 1)
+    if size > MAX_VIRTUAL_WORLD:   # each degree is in range, their product need not be
+        parser.error(f"dp × tp × pp × cp = {size:,} ranks: more than the {MAX_VIRTUAL_WORLD:,} a virtual world "
+                     "may have (course_lib.arguments.MAX_VIRTUAL_WORLD)")
     try:
         config = preset(args.preset)
         if args.dp is None:
@@ -299,6 +317,7 @@ def main(argv=None) -> int:
         result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                           num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                          num_chunks=args.num_chunks,
                           dtype=DTYPES[args.dtype])
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)
