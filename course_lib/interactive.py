@@ -7,6 +7,8 @@ plotly.js that the "notebook" renderer would embed in every saved notebook.
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 RENDERER = "plotly_mimetype"
@@ -93,13 +95,13 @@ def memory_stacks(rows: dict[str, dict[str, int]], *, capacity_bytes: int | None
 
 
 STEP_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "pp": "#9467bd", "dp": "#2ca02c",
-               "bubble": "#7f7f7f"}   # matplotlib's tab colours; the bubble grey, like the reserve: time nobody uses
+               "bubble": "#7f7f7f", "optimizer": "#8c564b"}   # matplotlib's tab colours; the bubble grey, like the reserve: time nobody uses
 
 
 def step_time_breakdown(rows: dict[str, dict[str, float]], *, title: str = "where one training step's time goes"
                         ) -> go.Figure:
     """One horizontal stacked bar per row (label → {term: seconds}, e.g. cost.StepTime.breakdown()), first row on
-    top: compute, tp, pp, dp, bubble, then any other term. Hover a segment for its seconds and its share of the
+    top: compute, tp, pp, dp, bubble, optimizer, then any other term. Hover a segment for its seconds and its share of the
     step; each bar's total is written at its end."""
     labels = list(rows)
     terms = [term for term in STEP_COLORS if any(term in row for row in rows.values())]
@@ -118,4 +120,44 @@ def step_time_breakdown(rows: dict[str, dict[str, float]], *, title: str = "wher
     fig.update_xaxes(title_text="seconds per step", range=[0, max(totals, default=1) * 1.15])
     fig.update_layout(barmode="stack", template="plotly_white", height=140 + 40 * len(labels), title=title,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"))
+    return fig
+
+
+BOUND_COLORS = {"compute": "#1f77b4", "memory": "#d62728", "launch": "#7f7f7f"}
+
+
+def roofline_chart(operations, gpu, *, title: str = "each operation of one layer on the roofline") -> go.Figure:
+    """The roofline of ``gpu`` (hardware.GPU) on log-log axes, FLOPs per byte against TFLOP/s: the spec-sheet roof
+    min(peak, intensity × HBM bandwidth) in black, and what kernels reach (a large GEMM's share of the peak,
+    the achievable share of HBM) dashed. Each operation (operations.Operation) is a marker at its intensity and
+    the FLOP/s it achieves in the model, coloured by what bounds it (compute, memory, launch). Hover a marker for
+    its name, FLOPs, bytes and time. The legend sits above the plot, off the data."""
+    from .hardware import HBM_SHARE
+    peak, bandwidth = gpu.peak_flops / 1e12, gpu.hbm_bytes_per_s / 1e12
+    finite = [op.intensity for op in operations if op.bytes and op.flops]
+    low, high = min(finite + [1.0]) / 2, max(finite + [4 * gpu.ridge_point]) * 2
+    xs = [low * (high / low) ** (i / 200) for i in range(201)]
+    fig = go.Figure()
+    fig.add_scatter(x=xs, y=[min(peak, x * bandwidth) for x in xs], mode="lines", line_color="black",
+                    name="spec-sheet roof", hovertemplate="%{x:.3g} FLOPs/byte: %{y:.3g} TFLOP/s<extra>roof</extra>")
+    fig.add_scatter(x=xs, y=[min(gpu.matmul_share * peak, x * HBM_SHARE * bandwidth) for x in xs], mode="lines",
+                    line=dict(color="grey", dash="dash"), name="what kernels reach",
+                    hovertemplate="%{x:.3g} FLOPs/byte: %{y:.3g} TFLOP/s<extra>reachable</extra>")
+    for bound, color in BOUND_COLORS.items():
+        ops = [op for op in operations if op.bound == bound and op.flops and op.bytes]
+        if not ops:
+            continue
+        fig.add_scatter(
+            x=[op.intensity for op in ops], y=[op.flops / op.seconds / 1e12 for op in ops], mode="markers",
+            marker=dict(color=color, size=11, line=dict(color="white", width=1)), name=f"{bound}-bound",
+            customdata=[[op.name, op.flops, op.bytes, op.seconds * 1e3] for op in ops],
+            hovertemplate="<b>%{customdata[0]}</b><br>%{x:.3g} FLOPs/byte, %{y:.3g} TFLOP/s<br>"
+                          "%{customdata[1]:.3g} FLOPs, %{customdata[2]:.3g} bytes<br>%{customdata[3]:.3g} ms"
+                          f"<extra>{bound}-bound</extra>")
+    fig.add_vline(x=gpu.ridge_point, line=dict(color="grey", dash="dot", width=1))
+    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOPs per byte of HBM traffic)")
+    fig.update_yaxes(type="log", title_text="TFLOP/s", range=[-3, 0.05 + math.log10(peak)])
+    fig.update_layout(template="plotly_white", height=420, title=dict(text=title, y=0.97),
+                      margin=dict(l=10, r=10, t=90, b=10),
+                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0, xanchor="left"))
     return fig

@@ -45,7 +45,7 @@ def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
                                   micro_batch_size=1, num_microbatches=8) for p in (1, 8)}
     rows = {label: step.breakdown() for label, step in steps.items()}
     fig = interactive.step_time_breakdown(rows)
-    assert [t.name for t in fig.data] == ["compute", "tp", "pp", "dp", "bubble"]
+    assert [t.name for t in fig.data] == ["compute", "tp", "pp", "dp", "bubble", "optimizer"]
     for label, step in steps.items():
         at = list(fig.data[0].y).index(label)
         assert sum(t.x[at] for t in fig.data) == pytest.approx(step.total_s)            # the bar ends at the step
@@ -55,5 +55,22 @@ def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
     assert "of the step" in bubble.hovertemplate
     assert list(fig.layout.yaxis.categoryarray) == list(rows)[::-1]                     # first row on top
     assert [a.text for a in fig.layout.annotations] == [f"{s.total_s:.3g} s" for s in steps.values()]
-    extra = interactive.step_time_breakdown({"a": {"compute": 1.0, "optimizer": 0.5}})
-    assert [t.name for t in extra.data] == ["compute", "optimizer"]                     # any other term after
+    extra = interactive.step_time_breakdown({"a": {"compute": 1.0, "data loading": 0.5}})
+    assert [t.name for t in extra.data] == ["compute", "data loading"]                  # any other term after
+
+
+def test_roofline_chart_places_each_operation_with_its_bound_and_keeps_the_legend_off_the_data():
+    from course_lib.hardware import find_gpu
+    from course_lib.model import preset
+    from course_lib.operations import layer_operations
+    gpu = find_gpu("H100 SXM")
+    ops = layer_operations(preset("llama2-70b"), gpu, micro_batch_size=1, seq_len=4096, tp=8)
+    fig = interactive.roofline_chart(ops, gpu)
+    markers = [t for t in fig.data if t.mode == "markers"]
+    assert sum(len(t.x) for t in markers) == len(ops)
+    assert {t.name for t in markers} == {"compute-bound", "memory-bound"}
+    placed = {row[0]: (x, y) for t in markers for row, x, y in zip(t.customdata, t.x, t.y)}
+    q = next(op for op in ops if op.name == "q_proj")
+    assert placed["q_proj"] == pytest.approx((q.intensity, q.flops / q.seconds / 1e12))
+    assert all(y <= gpu.peak_flops / 1e12 for _, y in placed.values())                 # nothing above the roof
+    assert fig.layout.legend.y >= 1 and fig.layout.legend.yanchor == "bottom"           # above the plot area
