@@ -15,6 +15,12 @@ RENDERER = "plotly_mimetype"
 PIPELINE_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#ff7f0e"}   # matplotlib's tab:blue, green, orange
 
 
+# The legend stands right of the plot, top-aligned, one entry a line: plotly widens the right margin to fit it,
+# so it never covers a bar or a label, however many entries it has (a horizontal legend above the plot wraps
+# into the title and the top rows as entries are added).
+LEGEND_BESIDE = dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top")
+
+
 def show(fig: go.Figure) -> None:
     fig.show(renderer=RENDERER)
 
@@ -54,9 +60,9 @@ def pipeline_gantt(timeline, *, title: str | None = None) -> go.Figure:
         fig.add_annotation(x=span, y=label, text=f"idle {timeline.idle_fraction(stage):.0%}", showarrow=False,
                            xanchor="left", xshift=6, font_size=11)
     fig.update_yaxes(categoryorder="array", categoryarray=stages[::-1])
-    fig.update_xaxes(title_text="time (ms)", range=[0, span * 1.12])
+    fig.update_xaxes(title_text="time (ms)", range=[0, span * 1.16])    # room for the idle fractions
     fig.update_layout(barmode="overlay", bargap=0.3, template="plotly_white", height=120 + 32 * len(stages),
-                      margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"),
+                      margin=dict(l=10, r=10, t=40, b=10), legend=LEGEND_BESIDE,
                       title=title or f"p = {timeline.num_stages} stages, m = {timeline.num_microbatches} "
                                      f"micro-batches: bubble {timeline.bubble:.1%}")
     return fig
@@ -83,14 +89,16 @@ def memory_stacks(rows: dict[str, dict[str, int]], *, capacity_bytes: int | None
                     marker_color=MEMORY_COLORS.get(part), customdata=[[v, v / t] for v, t in zip(values, totals)],
                     hovertemplate=f"{part}: %{{x:.2f}} GiB (%{{customdata[0]:,}} bytes, %{{customdata[1]:.0%}} of "
                                   "the row)<extra>%{y}</extra>")
-    if capacity_bytes is not None:
-        fig.add_vline(x=capacity_bytes / 2**30, line_dash="dash", line_color="black",
-                      annotation_text=f"{capacity_label}: {capacity_bytes / 2**30:.0f} GiB",
-                      annotation_position="top left")
+    if capacity_bytes is not None:   # the card's name above the frame, where no bar can be under it
+        fig.add_vline(x=capacity_bytes / 2**30, line_dash="dash", line_color="black")
+        fig.add_annotation(x=capacity_bytes / 2**30, y=1, yref="paper", yanchor="bottom", xanchor="center",
+                           text=f"{capacity_label}: {capacity_bytes / 2**30:.0f} GiB", showarrow=False, font_size=11)
+    totals = [sum(v for k, v in rows[label].items() if k != "total") / 2**30 for label in labels]
+    fig.update_xaxes(range=[0, max(totals + [capacity_bytes / 2**30 if capacity_bytes else 0]) * 1.08])
     fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1])
     fig.update_xaxes(title_text="GiB (2**30 bytes)")
-    fig.update_layout(barmode="stack", template="plotly_white", height=140 + 40 * len(labels), title=title,
-                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"))
+    fig.update_layout(barmode="stack", template="plotly_white", height=150 + 40 * len(labels), title=title,
+                      margin=dict(l=10, r=10, t=80, b=10), legend=LEGEND_BESIDE)
     return fig
 
 
@@ -119,7 +127,7 @@ def step_time_breakdown(rows: dict[str, dict[str, float]], *, title: str = "wher
     fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1])
     fig.update_xaxes(title_text="seconds per step", range=[0, max(totals, default=1) * 1.15])
     fig.update_layout(barmode="stack", template="plotly_white", height=140 + 40 * len(labels), title=title,
-                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=1.02, x=1, xanchor="right"))
+                      margin=dict(l=10, r=10, t=60, b=10), legend=LEGEND_BESIDE)
     return fig
 
 
