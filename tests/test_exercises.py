@@ -472,6 +472,19 @@ def test_check_3d_layout_refuses_the_old_answer_whose_activations_do_not_fit(cap
     verdict(capsys, exercises.check_3d_layout(layout()), True, "76.9 GiB of 80.0 GiB")
 
 
+def test_check_3d_layout_names_the_larger_part_first(capsys):
+    """dp 4 × tp 8 × pp 1 with ZeRO-1 holds 59.2 GiB of state beside 27.4 GiB of activations: the hint names the
+    state first, with what shards it, and does not offer full recomputation as if it were one of the choices.
+    Its own suggestion, ZeRO-3 over the same dp, fits."""
+    shown = verdict(capsys, exercises.check_3d_layout(layout(dp=4, pp=1, num_microbatches=16)), False,
+                    "state 59.2 GiB + activations 27.4 GiB + reserve 8.0 GiB = 94.6 GiB",
+                    "hint: the state is the larger part: 59.2 GiB beside 27.4 GiB of activations, 14.6 GiB too much "
+                    "together. Shard the state more: a higher ZeRO stage over dp 4",
+                    "full recomputation alone (not one of the choices here)")
+    assert shown.index("Shard the state") < shown.index("the activations overflow")
+    verdict(capsys, exercises.check_3d_layout(layout(dp=4, pp=1, zero_stage=3, num_microbatches=16)), True)
+
+
 @pytest.mark.parametrize("answer", [layout(dp=4, pp=1, zero_stage=3, num_microbatches=16),   # FSDP + TP
                                     layout(dp=1, pp=4, zero_stage=1, num_microbatches=64)],
                          ids=["fsdp-tp", "tp-pp"])
