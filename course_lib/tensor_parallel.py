@@ -69,6 +69,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .comm import Comm, wire_bytes
+from .model import rms_norm
 
 # ------------------------------------------------------------------------------ the conjugate operators
 
@@ -288,10 +289,11 @@ class SequenceParallelRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, comm: Comm):
         super().__init__()
-        self.weight, self.eps, self.comm = norm.weight, norm.eps, comm
+        self.weight, self.eps, self.fused, self.comm = norm.weight, norm.eps, getattr(norm, "fused", True), comm
 
     def forward(self, x):
-        return F.rms_norm(x, self.weight.shape, f(self.weight, self.comm), self.eps)
+        weight = f(self.weight, self.comm)
+        return rms_norm(x, weight, self.eps) if self.fused else F.rms_norm(x, weight.shape, weight, self.eps)
 
 
 # --------------------------------------------------------------------------------- the course model
