@@ -126,9 +126,9 @@ def vocab_parallel_activation_bytes(batch_size: int, seq_len: int, vocab_size: i
 
 def vocab_parallel_traffic(batch_size: int, seq_len: int, hidden: int, bytes_per_element: int, tp: int) -> dict:
     """All-reduces of one micro-batch's forward and backward for the split embedding, head and loss, and the
-    bytes a rank sends (ring): the lookup's b·s·d·e forward, the loss's three b·s·4 forward, the head input's
-    gradient b·s·d·e backward."""
-    tokens = batch_size * seq_len
-    payloads = [tokens * hidden * bytes_per_element] + [tokens * 4] * 3 + [tokens * hidden * bytes_per_element]
+    bytes a rank sends (ring): the lookup's b·s·d·e forward, the loss's three of b·s numbers forward (in at
+    least fp32: 4 bytes each, 8 in float64), the head input's gradient b·s·d·e backward."""
+    tokens, loss_bytes = batch_size * seq_len, max(bytes_per_element, 4)
+    payloads = [tokens * hidden * bytes_per_element] + [tokens * loss_bytes] * 3 + [tokens * hidden * bytes_per_element]
     return {"forward_all_reduces": 4, "backward_all_reduces": 1, "payload_bytes": sum(payloads),
             "wire_bytes_per_rank": sum(wire_bytes("all_reduce", p, tp) for p in payloads)}
