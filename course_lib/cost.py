@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 
 from .hardware import GPU, find_gpu
 from .ledger import RECOMPUTE, active_params_per_token, check_zero_stage
-from .mesh import Mesh, params_per_rank
+from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
+from .per_rank import params_per_rank
 from .pipeline_parallel import bubble_fraction, partition_layers
 from .tensor_parallel import tp_step_traffic
 

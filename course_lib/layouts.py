@@ -3,8 +3,8 @@
 A layout is a mesh (dp × tp × pp), a ZeRO stage over dp and the number of micro-batches the workload gives it.
 Its busiest GPU holds
 
-    state (ledger.zero_state_bytes of mesh.params_per_rank; ZeRO-3: one layer gathered whole beside the shards)
-  + activations (mesh.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s)
+    state (per_rank.data_parallel_state_bytes; ZeRO-3: one layer gathered whole beside the shards)
+  + activations (per_rank.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s)
   + a reserve (RESERVE_SHARE of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS
     workspaces, temporaries such as a gathered layer's output)
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from .cost import StepTime, step_time
-from .ledger import CONVENTIONS, RECOMPUTE, zero_state_bytes
-from .mesh import Mesh, activation_bytes_per_rank, layer_params, params_per_rank
+from .ledger import CONVENTIONS, RECOMPUTE
+from .mesh import Mesh
+from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params
 from .tensor_parallel import check_tp_divisible
 from .units import GiB, MiB
 
@@ -102,11 +103,11 @@ def tp_splits_heads(config, tp: int) -> bool:
 def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
                   pp_stage: int | None = None) -> dict[str, int]:
     """Training state on the fullest GPU of ``mesh`` (or on a GPU of pipeline stage ``pp_stage``) with
-    ZeRO-``stage`` over its dp group: {"weights", "grads", "optimizer", "total"} (ledger.zero_state_bytes of
-    mesh.params_per_rank)."""
+    ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
+    (per_rank.data_parallel_state_bytes)."""
     stages = range(mesh.pp) if pp_stage is None else [pp_stage]
-    return max((zero_state_bytes(params_per_rank(config, mesh, s), stage, mesh.dp,
-                                 **CONVENTIONS[convention].per_param) for s in stages), key=lambda state: state["total"])
+    return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param)
+                for s in stages), key=lambda state: state["total"])
 
 
 def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
@@ -126,7 +127,7 @@ def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, g
     """Question 4 for one layout: {"state", "activations", "reserve", "total"} bytes on its busiest GPU.
 
     state: need_per_gpu of the GPU's stage (ZeRO-3: one layer gathered beside the shards); activations:
-    mesh.activation_bytes_per_rank's peak for that stage under 1F1B, in the convention's 16- or 32-bit dtype;
+    per_rank.activation_bytes_per_rank's peak for that stage under 1F1B, in the convention's 16- or 32-bit dtype;
     reserve: ``reserve_share`` of the card. The busiest GPU is the stage with the largest sum (stage 0 holds the
     most micro-batches, the last stage the head)."""
     seq_len = workload.seq_len or config.max_seq_len

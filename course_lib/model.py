@@ -20,7 +20,7 @@ Parameter count (P = `param_count_formula`, d = hidden, h = head_dim, L = num_la
                          + 3·d·intermediate                     (gate, up, down)
                          + 2·d]                                 (two norms)
         + d (final norm) + V·d (head, 0 when tied to embed)
-    A mixture of experts (num_experts = E > 0, course_lib.experts) has E MLPs and a router per layer:
+    A mixture of experts (num_experts = E > 0, course_lib.moe) has E MLPs and a router per layer:
     3·d·intermediate becomes E·3·d·intermediate + d·E.
 """
 
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .moe import MLP as MLP  # the feed-forward layers live in moe.py; named here, where the model is built
+from .moe import MoE
 
 
 @dataclass(kw_only=True)   # keywords only: ModelConfig(hidden=64, ...) reads better than 7 bare numbers
@@ -183,29 +186,13 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden, config.intermediate, bias=False)
-        self.up_proj = nn.Linear(config.hidden, config.intermediate, bias=False)
-        self.down_proj = nn.Linear(config.intermediate, config.hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
-        if config.num_experts:
-            # Imported here, not at the top: course_lib.experts builds its experts from MLP above.
-            from .experts import MoE
-            self.mlp = MoE(config)
-        else:
-            self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.num_experts else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))

@@ -21,7 +21,7 @@ The three questions count the training state only, as the source does. A GPU als
 two more questions, asked of the workload (sequence length s, micro-batch b, global batch B, recomputation,
 sequence parallelism), decide:
 
-4. Does it fit with its activations? On the busiest GPU: state + peak saved activations (mesh.
+4. Does it fit with its activations? On the busiest GPU: state + peak saved activations (per_rank.
    activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s) + a reserve (RESERVE_SHARE
    of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS workspaces, temporaries such as
    a gathered layer's output). The global batch ties the axes: m = B / (dp · b) micro-batches per step, so more

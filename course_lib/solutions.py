@@ -1,4 +1,4 @@
-"""Reference answers to the "your turn" exercises, one per checker in exercises.py.
+"""Reference answers to the "your turn" exercises, one per checker in course_lib/exercises/
 
 They live here, not in the notebooks, so that a learner sees an answer only by asking for it:
 ``exercises.solution("mean_over_ranks")`` prints the source of :func:`mean_over_ranks`. An exercise is named

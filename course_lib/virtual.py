@@ -14,10 +14,10 @@ How. Two stand-ins make one rank of a huge world cheap, and nothing else changes
   others, because there are none: it runs its own part of the step alone.
 * meta tensors: a shape and a dtype, no memory, no arithmetic. Llama-2-70B builds in a second.
 
-On those, :func:`run_rank` runs the notebooks' code: ``make_comms`` (the mesh's groups), ``parallelize_3d``
-(``apply_tp``, ``make_stage``, ZeRO's ``ZeroDataParallel`` over the dp group), one ``pipeline_step`` (the
-schedule, every micro-batch's forward and backward, the sends and receives), the gradient reduction and the
-optimizer's step. It counts state with ``measure_state_bytes`` (meta storages count numel × element size),
+On those, :func:`run_rank` runs the notebooks' code: ``make_comms`` (the mesh's groups), ``parallelize``
+(``apply_context_parallel``, ``apply_tp``, ``apply_ep``, ``make_stage``, ZeRO's ``ZeroDataParallel`` over the
+dp × cp group, or HSDP), one ``pipeline_step`` (the schedule, every micro-batch's forward and backward, the sends
+and receives), the gradient reduction and the optimizer's step. It counts state with ``measure_state_bytes`` (meta storages count numel × element size),
 saved activations with ``SavedActivations`` via the step's ``StepRecorder`` (what each forward saves,
 held until its backward: the peak over the schedule), and bytes with ``Comm.trace``.
 
@@ -27,29 +27,31 @@ log-sum-exp. :class:`MetaFlashAttention` sends meta SDPA to the CPU flash kernel
 run saves (checked on the tiny model: every module's saved bytes equal a CPU run's).
 
 Not run, computed (the output lists which numbers are which): ``recompute="full"`` (the course code has no
-activation checkpointing: the peak is mesh.activation_bytes_per_rank's). "none" and "selective" both run: they
+activation checkpointing: the peak is per_rank.activation_bytes_per_rank's). "none" and "selective" both run: they
 are the same for the course model, whose SDPA never stores the scores. ``sequence_parallel`` runs
 ``apply_tp(..., sequence_parallel=True)`` (activations and the TP group's bytes measured, its all-gathers at
 each stage's two ends and its norm-weight all-reduces included: tensor_parallel.tp_step_traffic), with one
 number computed: the pipeline's bytes. Megatron-LM passes s/tp of the sequence between stages; the course's
 pipeline_step passes whole activations [b, s, d], so the run sends plain TP's, and the formula's a/tp stands in.
 
-The two axes beyond 3D (``--cp``, ``--ep``; mesh.py lays them out):
+The axes beyond 3D (``--cp``, ``--ep``, ``--dp-replicate``; mesh.py lays them out):
 
-* cp runs: ``parallelize_3d`` applies ``apply_context_parallel`` (ring attention over the CP group) before TP,
+* cp runs: ``parallelize`` applies ``apply_context_parallel`` (ring attention over the CP group) before TP,
   each rank takes s/cp tokens of every sequence, and ZeRO averages over the dp × cp ranks (the "dp_cp" group).
-  Measured: state, activations (mesh.context_parallel_layer_terms), the ring's bytes ("cp") and the rest.
+  Measured: state, activations (per_rank.context_parallel_layer_terms), the ring's bytes ("cp") and the rest.
+* hybrid sharding runs (``--dp-replicate`` R > 1, ZeRO-3): hsdp.HybridShardedDataParallel shards over the
+  dp/R × cp ranks of a replica and all-reduces the shards' gradients over the R replicas: all measured.
   Sequence parallelism with cp > 1 is refused: apply_tp's SP would cut the rank's slice again, and ring
   attention's positions assume it does not.
 * ep runs on a mixture-of-experts preset (mixtral-8x7b), tp 1: ``experts.apply_ep`` keeps this rank's E/ep
   experts and sends tokens with all-to-all over the EP group (measured: "ep" bytes and ops, activations).
   Computed, labelled so: state_bytes and sent_bytes.dp. The experts' gradients are averaged over the expert_dp
   group (dp·cp/ep ranks) and everything else over dp_cp, and ZeroDataParallel averages over one group, so the
-  step runs no data-parallel wrapper; ledger.zero_state_bytes and zero.wire_bytes_per_step, each part over its
-  own group, stand in. The course's MoE layer has no activation formula (formulas says None), and no TP split
+  step runs no data-parallel wrapper (``Parallelism(data_parallel=False)``); per_rank's
+  data_parallel_state_bytes and data_parallel_bytes_per_step, each part over its own group, stand in. The course's MoE layer has no activation formula (formulas says None), and no TP split
   (apply_tp splits a dense MLP): a MoE model runs with tp 1.
 
-An exception to DESIGN.md's rule that ``launch`` makes the one process group: the fake group exists only
+An exception to the course's rule that ``launch`` makes the one process group: the fake group exists only
 inside :func:`fake_world`, in this process, and is destroyed on the way out; nothing real is ever connected.
 """
 
@@ -67,24 +69,20 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .context_parallel import apply_context_parallel
-from .experts import apply_ep
-from .ledger import RECOMPUTE, check_zero_stage, zero_state_bytes
+from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
-from .mesh import (
-    Mesh,
+from .mesh import Mesh, make_comms
+from .model import PRESETS, build, preset
+from .parallelize import Parallelism, parallelize
+from .per_rank import (
     activation_bytes_per_rank,
-    expert_params_per_rank,
-    make_comms,
+    data_parallel_bytes_per_step,
+    data_parallel_state_bytes,
     microbatches_in_flight,
-    parallelize_3d,
-    params_per_rank,
     sent_bytes_per_rank,
 )
-from .model import build, preset
-from .pipeline_parallel import StepRecorder, make_stage, partition_layers, pipeline_step, schedule_actions
-from .tensor_parallel import apply_tp, tp_step_traffic
-from .zero import ZeroDataParallel, wire_bytes_per_step
+from .pipeline_parallel import StepRecorder, partition_layers
+from .tensor_parallel import tp_step_traffic
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -122,33 +120,25 @@ class MetaFlashAttention(TorchFunctionMode):
 
 
 def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
-                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype) -> None:
-    """The errors a real run would raise, before any group is made: the mesh's, ZeRO's and the schedule's
-    own checks (the same messages), and the model's limit on the sequence."""
-    mesh.check_model(config, batch_size=mesh.dp * micro_batch_size * num_microbatches,
-                     num_microbatches=num_microbatches, seq_len=seq_len)
+                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype) -> Parallelism:
+    """The errors a real run would raise, before any group is made: parallelize's own checks (the mesh's, the
+    schedule's, the same messages), ZeRO's, and the model's limit on the sequence. Returns parallelize's options."""
+    check_zero_stage(zero_stage)
+    options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
+                          num_microbatches=num_microbatches, data_parallel=mesh.ep == 1)
+    options.check(config, mesh, batch_size=mesh.dp * micro_batch_size * num_microbatches, seq_len=seq_len)
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
-    check_zero_stage(zero_stage)
-    schedule_actions(schedule, mesh.pp, num_microbatches)
     if not 1 <= seq_len <= config.max_seq_len:
         raise ValueError(f"sequence length {seq_len} must be between 1 and max_seq_len={config.max_seq_len}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
-    if sequence_parallel and seq_len % mesh.tp:
-        raise ValueError(f"seq_len={seq_len} is not divisible by tp={mesh.tp}: sequence parallelism gives each "
-                         "rank seq_len/tp tokens")
-    if sequence_parallel and mesh.cp > 1:
-        raise ValueError(f"sequence_parallel with cp {mesh.cp} is not run: apply_tp's SP would cut each rank's "
-                         "slice of the sequence again, and ring attention's positions assume it does not")
-    if config.num_experts and mesh.tp > 1:
-        raise ValueError(f"tp {mesh.tp} with num_experts={config.num_experts}: the course's MoE layer has no "
-                         "tensor-parallel split (apply_tp splits a dense MLP); run a mixture of experts with tp 1")
     if config.num_experts and recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: its peak is a formula's, and the course "
                          "has no activation formula for its MoE layer")
+    return options
 
 
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
@@ -167,7 +157,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                     zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
                     schedule=schedule, dtype=dtype)
-    check_workload(config, mesh, **workload)
+    options = check_workload(config, mesh, **workload)
     coords = mesh.coords(rank)
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
     # model's device (here meta), so each one saves its own ids, not a view of the whole batch's. With cp > 1
@@ -177,31 +167,22 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     with fake_world(mesh.size, rank):
         comms = make_comms(mesh, rank)
         model = build(config, device="meta", dtype=dtype)
-        if mesh.ep > 1:   # parallelize_3d's steps with the experts spread, and no data-parallel wrapper
-            apply_ep(model, comms["ep"])
-            if mesh.cp > 1:
-                apply_context_parallel(model, comms["cp"])
-            stage = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
-            data_parallel = None
-        elif sequence_parallel and mesh.tp > 1:   # parallelize_3d's three steps, its apply_tp with SP
-            apply_tp(model, comms["tp"], sequence_parallel=True)
-            stage = make_stage(model, coords["pp"], partition_layers(config.num_layers, mesh.pp))
-            data_parallel = ZeroDataParallel(stage, comms["dp"], stage=zero_stage)
-        else:
-            data_parallel = parallelize_3d(model, mesh, comms, rank, zero_stage=zero_stage)
-            stage = data_parallel.module
+        parallel = parallelize(model, mesh, comms, rank, options)
+        stage, data_parallel = parallel.stage, parallel.data_parallel
         recorder = StepRecorder(stage, measure_memory=True)
         traced = {**comms, "dp": comms["dp_cp"]}    # gradients are averaged over the dp × cp ranks
         with contextlib.ExitStack() as traces:
             logs = {axis: traces.enter_context(traced[axis].trace()) for axis in axes}
-            no_sync = data_parallel.no_sync() if data_parallel else contextlib.nullcontext()
-            with MetaFlashAttention(), no_sync:   # one gradient reduction, after the schedule
-                pipeline_step(stage, comms["pp"], tokens, tokens, num_microbatches=num_microbatches,
-                              schedule=schedule, recorder=recorder)
+            if mesh.dp_replicate > 1:                # HSDP: ZeRO-3 over the replica, all-reduce over replicas
+                logs["dp"] = traces.enter_context(comms["dp_shard_cp"].trace())
+                replicas = traces.enter_context(comms["dp_replicate"].trace())
+            with MetaFlashAttention():               # one gradient reduction, after the schedule
+                parallel.forward_backward(tokens, tokens, recorder=recorder)
             if data_parallel:
-                data_parallel.finish_gradient_sync()
                 data_parallel.step()
                 state = measure_state_bytes(data_parallel, data_parallel.optimizer)
+        if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
+            logs["dp"].records.extend(replicas.records)
     layers = [i for i, layer in enumerate(stage.layers) if not isinstance(layer, torch.nn.Identity)]
     # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
     result = {
@@ -223,7 +204,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         result["activation_bytes_per_microbatch"] = result["formulas"]["activation_bytes_per_microbatch"]
         result["measured"].remove("activation_bytes_peak")
         result["computed"].append("activation_bytes_peak")
-    result["coords"].update({axis: coords[axis] for axis in ("cp", "ep") if axis in coords})
+    result["coords"].update({axis: coords[axis] for axis in ("cp", "ep", "dp_replicate", "dp_shard") if axis in coords})
     computed_sends = []
     if sequence_parallel:      # the course's pipeline passes whole activations; Megatron's, s/tp of them
         computed_sends.append("pp")
@@ -246,17 +227,17 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
              schedule: str = "1f1b", dtype=torch.bfloat16) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
-    beside: ledger.zero_state_bytes of mesh.params_per_rank (e bytes per weight and gradient, 12 of optimizer
-    state), mesh.activation_bytes_per_rank, mesh.sent_bytes_per_rank (tp, pp) and zero.wire_bytes_per_step
-    (dp, one micro-step per micro-batch), "cp" and "ep" too when those degrees are > 1. These count no padding:
-    ZeroDataParallel pads each unit (embedding, each layer, final norm, head) to a multiple of dp, so where dp
-    does not divide a unit the run holds and sends a little more: fewer than dp parameters per unit
-    (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that hold the same
-    weights, a mixture's experts over their dp·cp/ep (expert_dp): each part's state and bytes over its own
-    group, added. A mixture of experts' activations have no formula: None."""
+    beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
+    optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
+    data_parallel_bytes_per_step ("dp", one micro-step per micro-batch; "dp_ops": by op). These count no
+    padding: ZeroDataParallel pads each unit (embedding, each layer, final norm, head) to a multiple of its
+    group, so where the group does not divide a unit the run holds and sends a little more: fewer than dp
+    parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
+    hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
+    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations have
+    no formula: None."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
-    params = params_per_rank(config, mesh, stage)
     if config.num_experts:
         activations = {"peak": None, "per_microbatch": None,
                        "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
@@ -267,28 +248,26 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                                                 sequence_parallel=sequence_parallel)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage)
     if sequence_parallel:     # the layers' bytes are plain TP's; apply_tp's SP adds its ends and norm weights
         layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
         sent["tp"] = num_microbatches * tp_step_traffic(config, micro_batch_size, seq_len, mesh.tp, e, True,
                                                         num_layers=layers)["wire_bytes_per_rank"]
-    experts, same_weights = expert_params_per_rank(config, mesh, stage), mesh.dp * mesh.cp
-    parts = [(params - experts, same_weights)] + ([(experts, same_weights // mesh.ep)] if experts else [])
-    sent["dp"] = sum(sum(wire_bytes_per_step(count * e, zero_stage, group, num_microbatches).values())
-                     for count, group in parts)
-    states = [zero_state_bytes(count, zero_stage, group, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
-              for count, group in parts]
-    state = {part: sum(s[part] for s in states) for part in states[0]}
+    dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
+                                          accumulation_steps=num_microbatches)
+    state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
+                                      optimizer_bytes=12)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
-            "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent}
+            "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
 
 
 # ------------------------------------------------------------------------------------------ command line
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="llama2-70b", help="a model of course_lib.model.PRESETS")
+    parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
+                        help="a model of course_lib.model.PRESETS (default llama2-70b)")
     parser.add_argument("--world-size", type=int,
                         help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
     parser.add_argument("--dp", type=int)
@@ -296,6 +275,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1, help="context parallelism: ring attention over s/cp tokens")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -309,10 +290,10 @@ def main(argv=None) -> int:
     try:
         config = preset(args.preset)
         if args.dp is None:
-            mesh = Mesh.for_world(args.world_size or args.cp * args.tp * args.pp, tp=args.tp, pp=args.pp,
-                                  cp=args.cp, ep=args.ep)
+            mesh = Mesh.for_world(args.world_size or args.cp * args.tp * args.pp * args.dp_replicate, tp=args.tp,
+                                  pp=args.pp, cp=args.cp, ep=args.ep, dp_replicate=args.dp_replicate)
         else:
-            mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+            mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_replicate=args.dp_replicate)
             if args.world_size is not None:
                 mesh.check(args.world_size)
         result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,

@@ -23,7 +23,6 @@ labelled so everywhere), which is how CI exercises this script (tests/test_gpu_c
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from lab_checks import Check, lab_checks, size
 
 from common import RESULTS, cpu_model
 from course_lib import device, launch
@@ -48,13 +48,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 GPU_SIZES = [2**k for k in range(20, 31, 2)]       # 1 MiB, 4 MiB, ..., 1 GiB: latency-bound to bandwidth-bound
 CPU_SIZES = [2**12, 2**16, 2**20]
 LAB_TIMEOUT = 180                                   # seconds; a lab that hangs is stopped and reported
-LOSS_TOLERANCE = 1e-3      # |loss - one process's|, float32: sums in another order, grown by Adam (~1e-5 seen)
-# |w - torch DDP's w| after the lab's 20 Adam steps of lr 1e-3 (each moves a weight by up to lr): float32 sums in
-# another order, 6e-7 at 4 ranks here; under bf16 autocast one weight rounded the other way feeds back, 1.2e-4
-WEIGHT_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3}
-BF16_TOLERANCE = 2**-6     # |w - torch's w|, bf16 weights below 2: two bf16 steps (the lab: about one)
-BUBBLE_TOLERANCE = 0.06    # |measured - formula| bubble, as notebook 05 asserts on a busy machine
-STATE_TOLERANCE = 0.05     # torch's own state bytes within 5% of the formula
 
 
 @dataclass
@@ -110,14 +103,6 @@ def skip_reason(name: str, gpus: int) -> str | None:
         return f"needs {lab.min_ranks} GPUs ({lab.needs}), found {gpus}"
     return None
 
-
-@dataclass
-class Check:
-    lab: str
-    what: str
-    predicted: str
-    measured: str
-    verdict: str            # ok, FAIL, info (a figure, no verdict), n/a, skipped
 
 
 # ------------------------------------------------------------------------------------------------- machine
@@ -253,166 +238,6 @@ def stop(process: subprocess.Popen) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=60)
             return
-
-
-def verdict(ok: bool) -> str:
-    return "ok" if ok else "FAIL"
-
-
-def size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def exact(predicted: float, measured: float) -> bool:
-    return math.isclose(predicted, measured, rel_tol=1e-9, abs_tol=1e-9)
-
-
-def not_in_lab(what: str, where: str = "") -> tuple:
-    return what, "—", "not measured by this lab" + (f" ({where})" if where else ""), "n/a"
-
-
-def check_training_step(r: dict) -> list[tuple]:
-    checks = [("replicas identical after training, max |Δw|", "0", f"{r['replica_spread']:.1e}",
-               verdict(r["replica_spread"] == 0))]
-    if r.get("single_process_losses"):
-        gap = max(abs(a - b) for a, b in zip(r["losses"], r["single_process_losses"]))
-        checks.append(("loss vs 1 process on the whole batch, every step", f"≤ {LOSS_TOLERANCE:g}", f"{gap:.1e}",
-                       verdict(gap <= LOSS_TOLERANCE)))
-    return checks + [not_in_lab("against torch's own", "torch's DDP: lab ddp")]
-
-
-def check_ddp(r: dict) -> list[tuple]:
-    rows = {row["kind"]: row for row in r["rows"]}
-    checks = [(f"{kind}: bytes each rank sends per step, traced", f"{rows[kind]['predicted_wire_bytes']:,.0f}",
-               f"{rows[kind]['wire_bytes']:,.0f}", verdict(exact(rows[kind]["predicted_wire_bytes"],
-                                                                  rows[kind]["wire_bytes"])))
-              for kind in ("naive", "bucketed")]
-    spreads = [rows[kind]["replica_spread"] for kind in rows]
-    checks.append((f"replicas identical ({', '.join(rows)}), max |Δw|", "0", " / ".join(f"{s:.1e}" for s in spreads),
-                   verdict(max(spreads) == 0)))
-    gaps = [rows[kind]["max_diff_vs_torch"] for kind in ("naive", "bucketed")]
-    dtype = r.get("dtype") or "fp32"
-    checks.append((f"weights vs torch's DDP (naive, bucketed; {dtype}), max |Δw|", f"≤ {WEIGHT_TOLERANCE[dtype]:g}",
-                   " / ".join(f"{g:.1e}" for g in gaps), verdict(max(gaps) <= WEIGHT_TOLERANCE[dtype])))
-    checks.append(("step time, bucketed / torch's DDP", "≤ 1.3 (goal)",
-                   f"{rows['bucketed']['step_ms'] / rows['torch']['step_ms']:.2f}", "info"))
-    return checks + [not_in_lab("loss vs 1 process", "lab training_step")]
-
-
-def check_zero(r: dict) -> list[tuple]:
-    runs = r["runs"]
-    ours = [runs[f"ours {stage}"] for stage in range(4)]
-    same = all(rank[k] == v for run in ours for rank in run["state_per_rank"] for k, v in run["predicted_state"].items())
-    checks = [("ours, stages 0/1/2/3: state per rank (storage) vs ledger",
-               " / ".join(size(run["predicted_state"]["total"]) for run in ours),
-               " / ".join(size(max(rank["total"] for rank in run["state_per_rank"])) for run in ours), verdict(same)),
-              ("ours, stages 0/1/2/3: bytes sent per rank per step, traced",
-               " / ".join(size(run["predicted_wire_bytes"]) for run in ours),
-               " / ".join(size(run["wire_bytes"]) for run in ours),
-               verdict(all(exact(run["predicted_wire_bytes"], run["wire_bytes"]) for run in ours)))]
-    peaks = [run.get("max_memory_allocated") for run in ours]
-    if all(p and None not in p for p in peaks):      # on GPUs: the peak falls with the stage, as the state does
-        checks.append(("ours, stages 0/1/2/3: peak CUDA memory per rank ≥ state",
-                       " / ".join(size(run["predicted_state"]["total"]) for run in ours),
-                       " / ".join(size(max(p)) for p in peaks),
-                       verdict(all(min(p) >= (1 - STATE_TOLERANCE) * run["predicted_state"]["total"]
-                                   for p, run in zip(peaks, ours)))))
-    for theirs, stage in (("zero_redundancy", 1), ("fully_shard", 3)):
-        run = runs[f"{theirs} {stage}"]
-        largest, predicted = max(rank["total"] for rank in run["state_per_rank"]), run["predicted_state"]["total"]
-        checks += [(f"{theirs}: state per rank vs ledger (stage {stage})", size(predicted), size(largest),
-                    verdict(abs(largest - predicted) <= STATE_TOLERANCE * predicted)),
-                   (f"{theirs}: weights vs ours at stage {stage}, max |Δw|", f"≤ {BF16_TOLERANCE:g}",
-                    f"{run['max_weight_gap_vs_ours']:.1e}", verdict(run["max_weight_gap_vs_ours"] <= BF16_TOLERANCE)),
-                   (f"step time, ours stage {stage} / {theirs}", "≤ 1.3 (goal)",
-                    f"{runs[f'ours {stage}']['step_seconds'] / run['step_seconds']:.2f}", "info")]
-    return checks + [not_in_lab("loss vs 1 process")]
-
-
-def check_tensor_parallel(r: dict) -> list[tuple]:
-    predicted = r["predicted"]
-    count = predicted["forward_all_reduces"] + predicted["backward_all_reduces"]
-    checks = [("all-reduces per step (4 per layer), traced", str(count), str(r["all_reduces_per_step"]),
-               verdict(count == r["all_reduces_per_step"])),
-              ("all-reduce bytes per step, traced", f"{predicted['payload_bytes']:,}", f"{r['payload_bytes_per_step']:,}",
-               verdict(predicted["payload_bytes"] == r["payload_bytes_per_step"]))]
-    if r.get("max_loss_gap") is not None:
-        checks.append(("loss vs the whole model on one device, every step", f"≤ {LOSS_TOLERANCE:g}",
-                       f"{r['max_loss_gap']:.1e}", verdict(r["max_loss_gap"] <= LOSS_TOLERANCE)))
-    checks.append((f"step time, one device / TP = {r['tp']}", "—", f"{r['speedup_vs_one_device']:.2f}×", "info"))
-    return checks + [not_in_lab("against torch's DTensor", "benchmarks/tp.py")]
-
-
-def check_pipeline_parallel(r: dict) -> list[tuple]:
-    p, checks = r["stages"], []
-    for schedule in ("gpipe", "1f1b"):
-        rows = [row for row in r["rows"] if row["schedule"] == schedule]
-        ms = ", ".join(str(row["num_microbatches"]) for row in rows)
-        worst = max(abs(row["measured"] - row["formula"]) for row in rows)
-        checks.append((f"{schedule}: bubble (p-1)/(m+p-1), m = {ms}",
-                       " / ".join(f"{row['formula']:.1%}" for row in rows),
-                       " / ".join(f"{row['measured']:.1%}" for row in rows), verdict(worst <= BUBBLE_TOLERANCE)))
-        # micro-batches whose activations a stage holds at once: all m in GPipe, at most p - stage in 1F1B
-        expected = [[m if schedule == "gpipe" else min(m, p - s) for s in range(p)]
-                    for m in (row["num_microbatches"] for row in rows)]
-        checks.append((f"{schedule}: micro-batches in flight, stage 0, m = {ms}",
-                       " / ".join(str(e[0]) for e in expected), " / ".join(str(row["peak_in_flight"][0]) for row in rows),
-                       verdict(expected == [row["peak_in_flight"] for row in rows])))
-    if r.get("single_process_loss") is not None:
-        gap = max(abs(row["loss"] - r["single_process_loss"]) for row in r["rows"])
-        checks.append(("loss vs 1 process, every schedule and m", f"≤ {LOSS_TOLERANCE:g}", f"{gap:.1e}",
-                       verdict(gap <= LOSS_TOLERANCE)))
-    real = [row for row in r["rows"] if "real_step_s" in row]
-    if real:
-        checks.append((f"real step, {real[-1]['schedule']}, m = {real[-1]['num_microbatches']}", "—",
-                       f"{real[-1]['real_step_s'] * 1e3:.1f} ms", "info"))
-    return checks + [not_in_lab("against torch.distributed.pipelining", "benchmarks/pp.py")]
-
-
-def check_parallel_3d(r: dict) -> list[tuple]:
-    ranks, checks = r["ranks"], []
-    for axis in ("tp", "pp", "dp"):
-        checks.append((f"bytes sent per step on the {axis} axis, every rank (sum shown)",
-                       f"{sum(x['predicted_sent_bytes'][axis] for x in ranks):,.0f}",
-                       f"{sum(x['sent_bytes'][axis] for x in ranks):,.0f}",
-                       verdict(all(exact(x["predicted_sent_bytes"][axis], x["sent_bytes"][axis]) for x in ranks))))
-    checks.append(("weight bytes held, every rank (largest shown)", size(4 * max(x["params_held"] for x in ranks)),
-                   size(max(x["state_bytes"]["weights"] for x in ranks)),
-                   verdict(all(x["state_bytes"]["weights"] == 4 * x["params_held"] for x in ranks))))
-    return checks + [not_in_lab("loss vs 1 process", "tests/test_mesh.py, float64"), not_in_lab("against torch's own")]
-
-
-def memory_check(record: dict) -> tuple:
-    """The ledger's training state against torch.cuda.max_memory_allocated, rank by rank. The peak holds the state
-    and, on top, activations, buckets and other transient tensors, so the claim is peak ≥ state (within 5%); the
-    ratio shows how much comes on top."""
-    what = "peak CUDA memory per rank ≥ ledger's state"
-    peaks, states = record.get("max_memory_allocated"), record.get("predicted_state_bytes")
-    if peaks is None or states is None:
-        return not_in_lab(what)
-    if None in peaks:
-        return what, "—", "not measured on a CPU (no CUDA allocator)", "n/a"
-    ratios = [peak / state for peak, state in zip(peaks, states)]
-    return (what, f"{size(max(states))} (largest)", f"{size(max(peaks))}, {min(ratios):.2f}–{max(ratios):.2f}× state",
-            verdict(min(ratios) >= 1 - STATE_TOLERANCE))
-
-
-CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
-          "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
-          "parallel_3d": check_parallel_3d}
-
-
-def lab_checks(name: str, out: Path) -> list[Check]:
-    """The checks of one lab's JSON; one FAIL row if it cannot be read (a lab changed its format, say)."""
-    try:
-        record = json.loads((out / f"{name}.json").read_text())
-        rows = CHECKS[name](record) + [memory_check(record)]
-    except Exception as error:      # any error here is this lab's failed check, reported as such
-        rows = [("results readable", f"{name}.json", f"{type(error).__name__}: {error}", "FAIL")]
-    return [Check(name, *row) for row in rows]
 
 
 # --------------------------------------------------------------------------------------------------- reports

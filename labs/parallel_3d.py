@@ -5,11 +5,11 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         labs/parallel_3d.py --tp 8 --pp 2 --hidden 512 --layers 4 --batch-size 64 --microbatches 16
 
-Ranks are laid out as in course_lib/mesh.py: tp fastest (a TP group is consecutive ranks, inside a node), pp
+Ranks are laid out as in course_lib/mesh.py and the model split by course_lib/parallelize.py: tp fastest (a TP group is consecutive ranks, inside a node), pp
 slowest (stages across nodes), dp between. Each step: this dp rank's share of the batch goes through the
 pipeline (1F1B) in --microbatches micro-batches, with TP's all-reduces inside every layer, then gradients are
 averaged over the dp group. The table has one row per rank: coordinates, parameters held, and the bytes it sent
-on each axis in the last step, traced, with the formula's (mesh.sent_bytes_per_rank) beside them; then the
+on each axis in the last step, traced, with the formula's (per_rank.sent_bytes_per_rank) beside them; then the
 median step time. Results go to labs/results/parallel_3d.json and .png for notebook 06. On GPUs (NCCL, one GPU
 per rank) every step runs under bf16 autocast by default (--dtype fp32 to compare): TP's forward all-reduces then
 carry bf16 (see predicted_sent_bytes), and each rank's row holds its torch.cuda.max_memory_allocated beside the
@@ -31,8 +31,9 @@ from common import (
     write_record,
 )
 from course_lib import launch
-from course_lib.mesh import Mesh, params_per_rank, sent_bytes_per_rank
+from course_lib.mesh import Mesh
 from course_lib.model import preset
+from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
 from course_lib.runs.mesh import train_3d
 
 
@@ -45,7 +46,7 @@ def train_3d_in(rank, world_size, *, dtype, **kwargs):
 
 
 def predicted_sent_bytes(config, mesh: Mesh, stage: int, dtype: str, **shape) -> dict:
-    """mesh.sent_bytes_per_rank, in fp32; under bf16 autocast TP's forward all-reduces (half of its 4 per layer)
+    """per_rank.sent_bytes_per_rank, in fp32; under bf16 autocast TP's forward all-reduces (half of its 4 per layer)
     carry bf16, the output of a row-parallel matmul, while its backward ones, the pipeline's activations and
     gradients (the residual stream) and DP's gradients stay fp32 (tensor_parallel.py's predicted_traffic)."""
     fp32 = sent_bytes_per_rank(config, mesh, stage, bytes_per_element=4, **shape)

@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import exercises, exercises_layout, solutions
+from course_lib import exercises, solutions
+from course_lib.exercises import common as exercises_common
+from course_lib.exercises import layout as exercises_layout
 from course_lib.pipeline_parallel import gpipe_actions
 
 NOT_DONE = "Not done yet: replace `raise NotImplementedError`"
@@ -486,8 +488,8 @@ def mean_that_never_returns(rank, world_size, value):
 
 @pytest.mark.ranks
 def test_an_answer_that_hangs_says_the_ranks_are_running_then_where_they_hung(capsys, monkeypatch):
-    monkeypatch.setattr(exercises, "NOTICE_SECONDS", 0.5)
-    monkeypatch.setattr(exercises, "TIMEOUT_SECONDS", 4.0)
+    monkeypatch.setattr(exercises_common, "NOTICE_SECONDS", 0.5)
+    monkeypatch.setattr(exercises_common, "TIMEOUT_SECONDS", 4.0)
     shown = verdict(capsys, exercises.check_mean_over_ranks(mean_that_never_returns, world_size=2), False,
                     "Your function did not finish within 4 s: ranks [0, 1] were still running",
                     "a loop that never ends?", "--- where rank 0 was ---", "--- where rank 1 was ---",

@@ -5,8 +5,9 @@ an answer with the planner's own models, so the planner's best layout is the che
 import pytest
 from test_exercises import NOT_DONE, unfinished, verdict
 
-from course_lib import exercises, exercises_scale, solutions
+from course_lib import exercises, solutions
 from course_lib.cost import DEFAULT_EFFICIENCY
+from course_lib.exercises import scale as exercises_scale
 from course_lib.layouts import Workload
 from course_lib.plan import plan
 

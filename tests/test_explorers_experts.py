@@ -11,9 +11,10 @@ import torch
 from test_explorers import assert_says_what_it_is, every_option, values
 
 from course_lib import explorers
-from course_lib.experts import MoE, all_to_all_bytes, capacity
+from course_lib.experts import all_to_all_bytes
 from course_lib.explorers.experts import NUM_TOKENS, alike_tokens
 from course_lib.model import preset
+from course_lib.moe import MoE, capacity
 
 matplotlib.use("Agg")   # no window, on any machine
 drawn = test_explorers.drawn   # the fixture: every figure a panel draws through course_lib.plots, in order

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import RankError, launch
-from course_lib.mesh import Mesh, make_comms, params_per_rank, sent_bytes_per_rank
+from course_lib.mesh import Mesh, make_comms
 from course_lib.model import count_params, param_count_formula, preset
+from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
 from course_lib.runs.mesh import global_losses, max_parameter_gap, train_3d, train_torch_2d
 from course_lib.train import reference_run
 
@@ -240,10 +241,10 @@ def test_bad_cp_and_ep_meshes_name_every_factor():
     assert Mesh(dp=2, ep=2).rank_of(dp=1, ep=1) == 1
     with pytest.raises(ValueError, match=r"ep 0 does not fit dp 1, cp 0: .* its ep coordinate is 1"):
         Mesh(dp=2, ep=2).rank_of(dp=1, ep=0)
-    from course_lib.mesh import parallelize_3d
     from course_lib.model import build
-    with pytest.raises(ValueError, match=r"parallelize_3d runs ep 1 only"):
-        parallelize_3d(build(preset("tiny", num_experts=4), device="meta"), Mesh(dp=2, ep=2), {}, 0)
+    from course_lib.parallelize import parallelize
+    with pytest.raises(ValueError, match=r"ep 2 with a data-parallel wrapper"):
+        parallelize(build(preset("tiny", num_experts=4), device="meta"), Mesh(dp=2, ep=2), {}, 0)
 
 
 @pytest.mark.parametrize("name, mesh", [("mixtral-8x7b", Mesh(dp=8, ep=8)), ("mixtral-8x7b", Mesh(dp=2, cp=2, ep=2, pp=4)),
@@ -271,9 +272,9 @@ def test_params_per_rank_with_ep_counts_what_apply_ep_and_make_stage_keep(name, 
 
 def test_activations_scale_by_one_over_cp_but_for_one_copy():
     """Every saved tensor of a layer is a token's, so each of cp ranks saves 1/cp of it; the one extra is
-    o_proj's input, a copy of ring attention's output (mesh.context_parallel_layer_terms). Llama-2-7B has
+    o_proj's input, a copy of ring attention's output (per_rank.context_parallel_layer_terms). Llama-2-7B has
     kv_heads = heads, so the ring's K and V are the model's own; only the loss's 4-byte weight sum stays whole."""
-    from course_lib.mesh import activation_bytes_per_rank
+    from course_lib.per_rank import activation_bytes_per_rank
 
     config, b, s, cp = preset("llama2-7b"), 1, 4096, 4
     whole, mine = (activation_bytes_per_rank(config, mesh, 0, micro_batch_size=b, seq_len=s, num_microbatches=1)
@@ -307,17 +308,17 @@ def test_bytes_sent_gain_cp_and_ep_entries():
 
 
 def _cp_tp_gradients(rank, world_size):
-    """One forward and backward of the tiny model in float64 on a cp 2 × tp 2 mesh, split by parallelize_3d:
+    """One forward and backward of the tiny model in float64 on a cp 2 × tp 2 mesh, split by parallelize:
     each rank's loss over its half of the tokens, and the gradients of the weights TP leaves whole, averaged over
     dp_cp (the two CP ranks)."""
     from course_lib.context_parallel import shard_sequence
-    from course_lib.mesh import parallelize_3d
     from course_lib.model import build, loss_fn
+    from course_lib.parallelize import parallelize
 
     mesh = Mesh(cp=2, tp=2)
     comms = make_comms(mesh, rank)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
-    wrapper = parallelize_3d(build(preset("tiny"), dtype=torch.float64), mesh, comms, rank)
+    wrapper = parallelize(build(preset("tiny"), dtype=torch.float64), mesh, comms, rank).data_parallel
     inputs, targets = (shard_sequence(t, comms["cp"], dim=1) for t in (tokens[:, :-1], tokens[:, 1:]))
     loss = loss_fn(wrapper.module(inputs), targets)
     loss.backward()
@@ -326,7 +327,7 @@ def _cp_tp_gradients(rank, world_size):
     return {"loss": loss.item(), "grads": whole, "tokens": tokens}
 
 
-def test_parallelize_3d_with_cp_and_tp_equals_one_process():
+def test_parallelize_with_cp_and_tp_equals_one_process():
     from course_lib.model import build, loss_fn
 
     results = launch(_cp_tp_gradients, 4, backend="gloo")

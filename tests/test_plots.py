@@ -648,7 +648,7 @@ def test_every_public_function_of_plots_is_tested_here():
 # ---- 08 · mixture of experts (tests/test_plots_experts.py checks them in full) --------------------------
 
 def test_the_expert_figures_draw_a_routing_and_the_drops_by_capacity():
-    from course_lib.experts import Routing
+    from course_lib.moe import Routing
     routing = Routing(capacity=5, requested_per_expert=[8, 2, 4, 6, 3, 5, 1, 3],
                       kept_per_expert=[5, 2, 4, 5, 3, 5, 1, 3], ep=2)
     left, right = plots.expert_load(routing).axes

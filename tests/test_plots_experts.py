@@ -10,8 +10,8 @@ from matplotlib.colors import to_hex
 from test_plots import bars, lines_at, outside_figure, spilled
 
 from course_lib import plots
-from course_lib.experts import MoE, Routing, drops_by_capacity
 from course_lib.model import preset
+from course_lib.moe import MoE, Routing, drops_by_capacity
 from course_lib.plots.experts import DROPPED_COLOR, RANK_COLORS
 
 matplotlib.use("Agg")   # no window, on any machine

@@ -1,9 +1,9 @@
 """course_lib.virtual: one rank of a big world, run on torch's fake process group with meta tensors, holds and
 sends exactly what the course's formulas say, for every kind of rank (first, middle, last stage).
 
-Exact, not approximate: state (ledger.zero_state_bytes of mesh.params_per_rank, when dp divides every ZeRO
-unit), saved activations (mesh.activation_bytes_per_rank, rotary tables included: 4·s·(h_d/2)·4 bytes per
-layer, whole on every TP rank), bytes sent on each axis (mesh.sent_bytes_per_rank, zero.wire_bytes_per_step).
+Exact, not approximate: state (ledger.zero_state_bytes of per_rank.params_per_rank, when dp divides every ZeRO
+unit), saved activations (per_rank.activation_bytes_per_rank, rotary tables included: 4·s·(h_d/2)·4 bytes per
+layer, whole on every TP rank), bytes sent on each axis (per_rank.sent_bytes_per_rank, zero.wire_bytes_per_step).
 The one approximation is ZeRO's padding: each unit is padded to a multiple of dp, so where dp does not divide
 it the run holds and sends up to dp - 1 parameters more per unit than the formulas, which count none
 (test_padding_is_the_only_gap bounds it). Sequence parallelism runs too; only its pipeline bytes are computed.
@@ -17,8 +17,9 @@ from course_lib import launch
 from course_lib.comm import Comm
 from course_lib.ledger import zero_state_bytes
 from course_lib.measure import SavedActivations, measure_state_bytes
-from course_lib.mesh import Mesh, activation_bytes_per_rank, params_per_rank, sent_bytes_per_rank
+from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, preset
+from course_lib.per_rank import activation_bytes_per_rank, params_per_rank, sent_bytes_per_rank
 from course_lib.pipeline_parallel import partition_layers
 from course_lib.tensor_parallel import check_tp_divisible, tp_step_traffic
 from course_lib.virtual import MetaFlashAttention, fake_world, main, run_rank
@@ -125,7 +126,7 @@ def test_what_is_not_in_the_course_code_is_computed_and_labelled():
 @pytest.mark.parametrize("rank_kind", ["first", "middle", "last"])
 def test_sequence_parallelism_runs_and_equals_the_formulas(rank_kind):
     """apply_tp(..., sequence_parallel=True) for real: the activation peak and the TP group's bytes measured, equal
-    to mesh.activation_bytes_per_rank and tensor_parallel.tp_step_traffic; the layers send what plain TP sends."""
+    to per_rank.activation_bytes_per_rank and tensor_parallel.tp_step_traffic; the layers send what plain TP sends."""
     mesh, m, e = Mesh(dp=2, tp=2, pp=3), 4, 2
     stage = {"first": 0, "middle": 1, "last": 2}[rank_kind]
     rank = mesh.rank_of(pp=stage, dp=1, tp=1)
@@ -318,7 +319,7 @@ def test_bad_cp_and_ep_input_gets_the_real_runs_one_line_error(argv, real_check,
 def test_what_the_virtual_cluster_does_not_run_with_cp_and_ep_is_refused():
     moe = preset("tiny", num_experts=4)
     for config, mesh, kwargs, message in [
-        (TINY, Mesh(cp=2, tp=2), {"sequence_parallel": True}, "sequence_parallel with cp 2 is not run"),
+        (TINY, Mesh(cp=2, tp=2), {"sequence_parallel": True}, "sequence_parallel with cp 2: apply_tp's SP"),
         (moe, Mesh(dp=2, tp=2, ep=2), {}, "tp 2 with num_experts=4: the course's MoE layer has no tensor-parallel"),
         (moe, Mesh(dp=2, ep=2), {"recompute": "full"}, "recompute='full' with a mixture of experts"),
     ]:

@@ -8,8 +8,9 @@ import ipywidgets as widgets
 import torch
 
 from .. import plots
-from ..experts import MoE, all_to_all_bytes
+from ..experts import all_to_all_bytes
 from ..model import preset
+from ..moe import MoE
 from ._panel import ExplorerPanel, format_bytes, plural
 
 NUM_EXPERTS, NUM_TOKENS = 8, 256

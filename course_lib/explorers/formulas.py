@@ -7,8 +7,9 @@ import torch
 from .. import hardware, plots
 from ..layouts import RESERVE_SHARE, Workload, memory_per_gpu, stage_name, state_per_gpu
 from ..ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
-from ..mesh import Mesh, layer_params
+from ..mesh import Mesh
 from ..model import ModelConfig, param_count_formula, preset
+from ..per_rank import layer_params
 from ..plan import bad_smells, plan
 from ..units import GiB
 from ..zero import wire_bytes_per_step

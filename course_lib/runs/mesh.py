@@ -1,8 +1,9 @@
-"""3-D training runs (notebook 06, lab parallel_3d, tests): the course model on a dp × tp × pp grid of ranks,
-and torch's FSDP2 + DTensor TP on a 2-D DeviceMesh beside it."""
+"""Training runs on a mesh (notebook 06, lab parallel_3d, tests): the course model on a dp × cp × tp × pp grid of
+ranks (HSDP too), split by ``parallelize``, and torch's FSDP2 + DTensor TP on a 2-D DeviceMesh beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -13,59 +14,85 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from tqdm import tqdm
 
+from ..context_parallel import shard_sequence
 from ..data import SyntheticTokens, shard
 from ..launch import device
 from ..measure import measure_state_bytes
-from ..mesh import Mesh, make_comms, parallelize_3d
+from ..mesh import Mesh, make_comms
 from ..model import build, loss_fn, preset
-from ..pipeline_parallel import pipeline_step
+from ..parallelize import Parallelism, parallelize
 from ..tensor_parallel import dtensor_plan
 
 
-def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, num_microbatches: int = 2,
-             schedule: str = "1f1b", steps: int = 3, batch_size: int = 8, seq_len: int = 16, lr: float = 1e-2,
-             dtype=None, seed: int = 0, progress: bool = False, return_params: bool = True, **overrides) -> dict:
-    """``steps`` Adam steps of the tiny model on a dp × tp × pp mesh, for ``launch``. Each step: this dp rank's
-    share of the batch goes through the pipeline in ``num_microbatches`` micro-batches (TP all-reduces inside
-    every layer of the stage), then gradients are averaged over the DP group, then Adam updates this rank's
-    pieces. Returns this rank's coordinates, its losses (last stage only), its parameters, its measured state
-    bytes, the bytes it sent on each axis in the last step (and how many ops), and each step's seconds.
-    ``progress``: a tqdm bar on rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
-    mesh = Mesh(dp=dp, tp=tp, pp=pp)
+def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+             dp_replicate: int = 1, zero_stage: int | None = None, sequence_parallel: bool = False,
+             num_chunks: int = 1, num_microbatches: int = 2, schedule: str = "1f1b", steps: int = 3,
+             batch_size: int = 8, seq_len: int = 16, lr: float = 1e-2, dtype=None, seed: int = 0,
+             progress: bool = False, return_params: bool = True, **overrides) -> dict:
+    """``steps`` Adam steps of the tiny model on a dp × cp × tp × pp mesh (dp_replicate > 1: HSDP), for
+    ``launch``, the model split by ``parallelize``. Each step: this dp rank's share of the batch (its s/cp of
+    every sequence) goes through the pipeline in ``num_microbatches`` micro-batches (TP all-reduces inside every
+    layer of the stage), then gradients are averaged over the data-parallel group (NaiveDDP; ZeRO with
+    ``zero_stage``), then Adam updates this rank's pieces. Returns this rank's coordinates, its losses (last
+    stage only), its parameters (whole pieces, gathered under ZeRO-3), its measured state bytes, the bytes it
+    sent on each axis in the last step (and how many ops), and each step's seconds. ``progress``: a tqdm bar on
+    rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
     mesh.check(world_size)
     config = preset("tiny", **overrides)
-    mesh.check_model(config, batch_size=batch_size, num_microbatches=num_microbatches)
+    options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, num_chunks=num_chunks,
+                          schedule=schedule, num_microbatches=num_microbatches)
+    options.check(config, mesh, batch_size=batch_size, seq_len=seq_len)
     where = mesh.coords(rank)
     comms = make_comms(mesh, rank)
 
     model = build(config, seed=seed, device=device(), dtype=dtype)   # every rank draws the whole model, keeps its piece
-    data_parallel = parallelize_3d(model, mesh, comms, rank)
-    stage = data_parallel.module
-    optimizer = torch.optim.Adam(stage.parameters(), lr=lr)
+    parallel = parallelize(model, mesh, comms, rank, options,
+                           optimizer_kwargs={"optimizer_class": torch.optim.Adam, "lr": lr})
+    stage, data_parallel = parallel.stage, parallel.data_parallel
+    optimizer = parallel.optimizer or torch.optim.Adam(stage.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
+    axes = {"tp": comms["tp"], "pp": comms["pp"], "dp": comms["dp_shard_cp" if dp_replicate > 1 else "dp_cp"]}
+    axes.update({"cp": comms["cp"]} if cp > 1 else {})
+    axes.update({"dp_replicate": comms["dp_replicate"]} if dp_replicate > 1 else {})
     losses, seconds = [], []
     step_range = range(steps)
     if progress and rank == 0:
-        step_range = tqdm(step_range, desc=f"dp {dp} × tp {tp} × pp {pp}", mininterval=1.0)
+        step_range = tqdm(step_range, desc=mesh.factors(), mininterval=1.0)
     for step in step_range:
         start = time.perf_counter()
         inputs, targets = (shard(t, where["dp"], dp) for t in data.batch(step, batch_size))
-        optimizer.zero_grad()
-        with comms["tp"].trace() as tp_log, comms["pp"].trace() as pp_log, comms["dp"].trace() as dp_log:
-            result = pipeline_step(stage, comms["pp"], inputs, targets, num_microbatches=num_microbatches,
-                                   schedule=schedule)
-            data_parallel.finish_gradient_sync()   # the mean over the dp ranks' shares: the batch's gradient
-        optimizer.step()
+        if cp > 1:
+            inputs, targets = (shard_sequence(t, comms["cp"], dim=1) for t in (inputs, targets))
+        if parallel.optimizer is None:
+            optimizer.zero_grad()                      # (ZeroDataParallel.step() zeroes its own gradient buffers)
+        with contextlib.ExitStack() as traces:
+            logs = {axis: traces.enter_context(comm.trace()) for axis, comm in axes.items()}
+            result = parallel.forward_backward(inputs, targets)   # averaged over dp: the batch's gradient
+            if parallel.optimizer is not None:
+                data_parallel.step()                   # ZeRO: update the shards (and gather, stages 1, 2)
+        if parallel.optimizer is None:
+            optimizer.step()
         if device().type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         losses.append(result["loss"])
+    held = stage if data_parallel is None or parallel.optimizer is None else data_parallel
     return {"rank": rank, "coords": where, "losses": losses, "step_seconds": seconds, "backend": dist.get_backend(),
-            "params": {name: p.detach().cpu() for name, p in stage.named_parameters()} if return_params else None,
-            "state_bytes": measure_state_bytes(stage, optimizer),
-            "sent_bytes": {"tp": tp_log.wire_bytes, "pp": pp_log.wire_bytes, "dp": dp_log.wire_bytes},
-            "ops": {axis: {op: t.count for op, t in log.summary().items()}
-                    for axis, log in (("tp", tp_log), ("pp", pp_log), ("dp", dp_log))}}
+            "params": _named_parameters(stage, data_parallel, zero_stage) if return_params else None,
+            "state_bytes": measure_state_bytes(held, optimizer),
+            "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
+            "ops": {axis: {op: t.count for op, t in log.summary().items()} for axis, log in logs.items()}}
+
+
+def _named_parameters(stage, data_parallel, zero_stage) -> dict[str, torch.Tensor]:
+    """This rank's pieces by name, on the CPU; ZeRO-3 keeps only shards: gather them whole (a collective)."""
+    if zero_stage != 3:
+        return {name: p.detach().cpu() for name, p in stage.named_parameters()}
+    flat = data_parallel.full_parameters().cpu()
+    named = dict(stage.named_parameters())
+    pieces = flat.split([p.numel() for p in named.values()])
+    return {name: piece.view(p.shape) for (name, p), piece in zip(named.items(), pieces)}
 
 
 def global_losses(results: list[dict]) -> list[float]:
@@ -117,3 +144,31 @@ def train_torch_2d(rank: int, world_size: int, *, dp: int = 2, tp: int = 2, step
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         losses.append(loss.item() / dp)
     return losses
+
+
+def train_torch_hsdp(rank: int, world_size: int, *, dp_shard: int = 2, dp_replicate: int = 2, steps: int = 3,
+                     batch_size: int = 8, seq_len: int = 16, lr: float = 1e-2, dtype=None, seed: int = 0) -> dict:
+    """torch's own HSDP, for comparison with hsdp.HybridShardedDataParallel: FSDP2's ``fully_shard`` on a 2-D
+    ``init_device_mesh`` ("dp_replicate", "dp_shard") mesh shards each layer over the dp_shard ranks of a
+    replica and all-reduces across the dp_replicate replicas. Returns the whole batch's loss at each step and
+    the parameters this rank holds (its shard of every tensor)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's reduce_scatter/all_gather notices
+    config = preset("tiny")
+    mesh = init_device_mesh(device().type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = build(config, seed=seed, device=device(), dtype=dtype)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
+    losses = []
+    for step in range(steps):
+        inputs, targets = (shard(t, rank, world_size).to(device()) for t in data.batch(step, batch_size))
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world_size)
+    return {"losses": losses, "params_held": sum(p.to_local().numel() for p in model.parameters())}

@@ -16,14 +16,14 @@ computing longer than the average one (uneven stages; the last stage also runs t
 rank in the course's apply_tp). The hint names the largest.
 """
 
-from .cost import DEFAULT_EFFICIENCY, StepTime, step_time
-from .exercises_layout import read_answer
-from .hardware import find_gpu
-from .layouts import Workload, memory_per_gpu, seconds_text, size_text
-from .ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
-from .mesh import Mesh
-from .model import preset
-from .plan import bad_smells
+from ..cost import DEFAULT_EFFICIENCY, StepTime, step_time
+from ..hardware import find_gpu
+from ..layouts import Workload, memory_per_gpu, seconds_text, size_text
+from ..ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
+from ..mesh import Mesh
+from ..model import preset
+from ..plan import bad_smells
+from .layout import read_answer
 
 CONFIG = preset("llama2-70b")
 NUM_GPUS, GPUS_PER_NODE, GPU = 64, 8, "H100 SXM"    # 8 nodes of 8 H100 SXM, 80 GiB each

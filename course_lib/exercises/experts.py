@@ -4,9 +4,11 @@ read; exercises.py wraps and re-exports it, so notebooks call ``exercises.check_
 
 import torch
 
-from .comm import Comm
-from .experts import MoE, apply_ep, capacity
-from .model import preset
+from ..comm import Comm
+from ..experts import apply_ep
+from ..model import preset
+from ..moe import MoE, capacity
+from .common import run_on_ranks
 
 CONFIG = preset("tiny", num_experts=8, top_k=2)   # 8 SwiGLU experts of hidden 64: 4 per rank on 2, 2 on 4
 TOKENS = (2, 8)                                    # per rank: 16 tokens, C = ceil(1.25 · 16 · 2 / 8) = 5 slots
@@ -20,9 +22,6 @@ def check_expert_exchange(expert_exchange) -> bool:
     return [E, C, d]: expert i's output on every slot of buffer[i], whichever rank holds expert i, with one
     ``comm.all_to_all`` to dispatch and one to combine. Checked on 2 and 4 ranks (8 experts, float64) against
     every expert run in one process, then inside the MoE layer (``apply_ep``) against the whole layer."""
-    # exercises.py imports this module at its end: take its helpers when the checker runs, not at import
-    from .exercises import _run_on_ranks
-
     num_experts, hidden = CONFIG.num_experts, CONFIG.hidden
     slots = capacity(TOKENS[0] * TOKENS[1], num_experts, CONFIG.top_k, CAPACITY_FACTOR)
     buffer_bytes = num_experts * slots * hidden * 8
@@ -49,7 +48,7 @@ def check_expert_exchange(expert_exchange) -> bool:
         return out, expected, ops, layer_gap
 
     for world_size in (2, 4):
-        results = _run_on_ranks(trial, world_size)
+        results = run_on_ranks(trial, world_size)
         if results is None:
             return False
         mine = num_experts // world_size

@@ -1,0 +1,215 @@
+"""What each rank of a mesh holds and sends: the one source of every per-rank formula.
+
+course_lib.parallelize cuts the model over a mesh; this module says, without running anything, what that
+leaves on one rank: its parameters (``params_per_rank``), its training state and data-parallel bytes under ZeRO
+or HSDP (``data_parallel_state_bytes``, ``data_parallel_bytes_per_step``), the bytes it sends on every axis in a
+step (``sent_bytes_per_rank``) and its saved activations (``activation_bytes_per_rank``). The planner (layouts,
+plan), the cost model, the labs and the virtual cluster all call these; the virtual cluster measures each one.
+
+Data parallelism, once. The ranks that hold the same weights are the dp × cp ranks of one (pp, tp) place: CP
+splits the sequence, not the weights. So ZeRO shards the state over dp·cp ranks, and their gradients are
+averaged over them ("dp_cp"). Two refinements, each one part of a rank's parameters with its own group:
+
+* a mixture's experts (ep > 1) are held by dp·cp/ep ranks ("expert_dp"): their state is sharded, and their
+  gradients averaged, over those;
+* HSDP (dp_replicate > 1) shards over the dp_shard·cp ranks of a replica and all-reduces the shards'
+  gradients over the dp_replicate replicas (course_lib.hsdp).
+
+``data_parallel_parts`` lists these parts as (parameters, shard group, replicas); every data-parallel formula
+here adds ledger.zero_state_bytes, zero.wire_bytes_per_step or hsdp.hsdp_wire_bytes_per_step over them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import wire_bytes
+from .context_parallel import ring_attention_activation_bytes, ring_attention_bytes
+from .experts import all_to_all_bytes
+from .hsdp import hsdp_wire_bytes_per_step
+from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, zero_state_bytes
+from .mesh import Mesh
+from .model import layer_projection_params
+from .pipeline_parallel import partition_layers
+from .tensor_parallel import tp_allreduce_bytes
+from .zero import wire_bytes_per_step
+
+
+def _expert_mlp_params(config) -> int:
+    """One layer's expert MLPs, all E of them (3·d·intermediate each); 0 for a dense model."""
+    return getattr(config, "num_experts", 0) * 3 * config.hidden * config.intermediate
+
+
+def layer_params(config, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of one transformer layer on one of ``tp`` ranks (and of ``ep``): its 7 matrices (and q/k/v
+    biases, if any) split over tp, of a mixture of experts E/ep experts (the router whole), its 2 norms whole."""
+    experts = _expert_mlp_params(config)
+    return (layer_projection_params(config) - experts + experts // ep) // tp + 2 * config.hidden
+
+
+def expert_params_per_rank(config, mesh: Mesh, stage: int) -> int:
+    """The part of params_per_rank that is experts (E/ep per layer, / tp): the part averaged over expert_dp."""
+    layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+    return layers * _expert_mlp_params(config) // mesh.ep // mesh.tp
+
+
+def params_per_rank(config, mesh: Mesh, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage ``stage``: its layers' matrices / tp (TP splits every
+    projection of attention and MLP), E/ep of a mixture's experts, its layers' norms whole, plus the embedding on
+    the first stage and the final norm and head on the last (none of which TP splits here). Exact for the course
+    model; a tied head is the embedding itself when one stage holds both, and a copy of it on the last stage
+    otherwise. CP splits the sequence, not the weights: every rank of a CP group holds the same."""
+    count = len(partition_layers(config.num_layers, mesh.pp)[stage]) * layer_params(config, mesh.tp, mesh.ep)
+    if stage == 0:
+        count += config.vocab_size * config.hidden
+    if stage == mesh.pp - 1:
+        count += config.hidden
+        if not (config.tie_embeddings and mesh.pp == 1):
+            count += config.vocab_size * config.hidden
+    return count
+
+
+# ------------------------------------------------------------------------------ data parallelism, once
+
+def data_parallel_parts(config, mesh: Mesh, stage: int) -> list[tuple[int, int, int]]:
+    """This rank's parameters as (count, shard group size, replicas), one entry per group that averages them
+    (module docstring): the dense part over the dp_shard·cp ranks that hold it (dp·cp unless HSDP), replicated
+    dp_replicate times; a mixture's experts over their dp·cp/ep ranks (expert_dp)."""
+    params, experts = params_per_rank(config, mesh, stage), expert_params_per_rank(config, mesh, stage)
+    parts = [(params - experts, mesh.dp_shard * mesh.cp, mesh.dp_replicate)]
+    if experts:
+        parts.append((experts, mesh.dp * mesh.cp // mesh.ep, 1))
+    return parts
+
+
+def data_parallel_state_bytes(config, mesh: Mesh, stage: int, zero_stage: int, *, weight_bytes: int = 2,
+                              grad_bytes: int = 2, optimizer_bytes: int = 12) -> dict[str, int]:
+    """Training state on one rank of pipeline stage ``stage``: {"weights", "grads", "optimizer", "total"},
+    ledger.zero_state_bytes of each data_parallel_parts entry over its own shard group, added. HSDP
+    (dp_replicate > 1) is ZeRO-3 inside a replica: pass zero_stage=3. No ZeRO padding (zero.padded_num_params)."""
+    states = [zero_state_bytes(count, zero_stage, group, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
+                               optimizer_bytes=optimizer_bytes) for count, group, _ in data_parallel_parts(config, mesh, stage)]
+    return {part: sum(state[part] for state in states) for part in states[0]}
+
+
+def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
+                                 accumulation_steps: int = 1) -> dict[str, float]:
+    """Bytes one rank of ``stage`` sends per optimizer step to average its gradients (and, ZeRO 1-3, gather its
+    weights), by op: zero.wire_bytes_per_step of each data_parallel_parts entry over its group, or
+    hsdp.hsdp_wire_bytes_per_step where it has replicas. ``accumulation_steps``: micro-steps per optimizer
+    step (a pipeline's micro-batches: ZeRO-2 and -3 reduce, ZeRO-3 gathers, in each of them)."""
+    total: dict[str, float] = {}
+    for count, group, replicas in data_parallel_parts(config, mesh, stage):
+        if replicas > 1:
+            if zero_stage != 3:
+                raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
+                                 "inside each replica (zero_stage=3)")
+            ops = hsdp_wire_bytes_per_step(count * grad_bytes, group, replicas, accumulation_steps)
+        else:
+            ops = wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)
+        for op, nbytes in ops.items():
+            total[op] = total.get(op, 0) + nbytes
+    return total
+
+
+def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_len: int, num_microbatches: int,
+                        bytes_per_element: int = 4, sequence_parallel: bool = False,
+                        capacity_factor: float | None = None, zero_stage: int = 0) -> dict[str, float]:
+    """Bytes one rank of ``stage`` sends in one training step, per axis (ring algorithms, as comm.wire_bytes):
+
+    * tp: 4 all-reduces per layer and micro-batch (2 forward, 2 backward), each of one activation
+      a = (batch/dp/m) · (seq/cp) · hidden · bytes, each sending 2(tp-1)/tp · a;
+    * pp: one activation a per micro-batch to the next stage (not from the last), one gradient of it to the
+      previous stage (not from the first);
+    * dp: data_parallel_bytes_per_step with ``zero_stage`` (default 0: one all-reduce of this rank's gradients
+      over the dp × cp ranks that hold the same weights, 2(dp·cp-1)/(dp·cp) · params_per_rank · bytes; a
+      mixture's experts over their dp·cp/ep ranks, expert_dp), the micro-batches its accumulation steps;
+    * cp (when cp > 1): ring attention in each layer and micro-batch, forward and backward
+      (context_parallel.ring_attention_bytes, on this rank's kv_heads/tp heads);
+    * ep (when ep > 1): 4 all-to-alls per layer and micro-batch, dispatch and combine forward and backward, of
+      this rank's (batch/dp/m)·(seq/cp) tokens (experts.all_to_all_bytes; ``capacity_factor`` as the MoE's).
+
+    ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
+    becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes; Megatron's stages pass 1/tp
+    of the sequence, a/tp (the course's pipeline_step passes whole activations: the virtual cluster says so).
+    """
+    mesh.check_sequence(seq_len)
+    micro_batch, local_seq = batch_size // mesh.dp // num_microbatches, seq_len // mesh.cp
+    activation = tp_allreduce_bytes(micro_batch, local_seq, config.hidden, bytes_per_element)
+    layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+    tp = 4 * layers * num_microbatches * wire_bytes("all_reduce", activation, mesh.tp)
+    boundary = activation // mesh.tp if sequence_parallel else activation
+    pp = num_microbatches * boundary * ((stage < mesh.pp - 1) + (stage > 0))
+    dp = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=bytes_per_element,
+                                      accumulation_steps=num_microbatches)
+    sent = {"tp": tp, "pp": pp, "dp": sum(dp.values())}
+    if mesh.cp > 1:
+        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
+        ring = ring_attention_bytes(micro_batch, config.num_kv_heads // mesh.tp, seq_len, config.head_dim, mesh.cp,
+                                    dtype)
+        sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"])
+    if mesh.ep > 1:
+        one = all_to_all_bytes(micro_batch * local_seq, config.hidden, config.num_experts, config.top_k,
+                               capacity_factor, mesh.ep, bytes_per_element)
+        sent["ep"] = 4 * layers * num_microbatches * one
+    return sent
+
+
+def microbatches_in_flight(mesh: Mesh, stage: int, num_microbatches: int, schedule: str = "1f1b") -> int:
+    """How many micro-batches' activations ``stage`` holds at once: GPipe all m; 1F1B min(p - s, m)."""
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule={schedule!r}: one of 1f1b, gpipe")
+    return num_microbatches if schedule == "gpipe" else min(mesh.pp - stage, num_microbatches)
+
+
+def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, tp: int, cp: int) -> dict[str, int]:
+    """The terms of ledger.gpt_layer_activation_bytes that a layer under context parallelism saves differently
+    (context_parallel.apply_context_parallel), on one of tp × cp ranks, for sequences of ``seq_len`` tokens:
+
+    * "attn": ring attention's Q, K, V, O and log-sum-exp (ring_attention_activation_bytes: K and V with their
+      kv_heads, not repeated to the query heads as the model does before SDPA), and the rotary tables of the
+      rank's s/cp positions, 4 · (s/cp) · (head_dim/2) · 4 bytes;
+    * "attn.o_proj": the ring's output transposed for o_proj is a copy, which o_proj saves, b·(s/cp)·(d/tp)·e
+      bytes (SDPA's CPU kernel returns its output already laid out for o_proj: the model saves it once).
+
+    Every other term is the model's own at s/cp tokens. Exact for torch 2.13 (the virtual cluster measures it).
+    """
+    e, local_seq = dtype.itemsize, seq_len // cp
+    ring = ring_attention_activation_bytes(batch_size, config.num_heads // tp, config.num_kv_heads // tp, seq_len,
+                                           config.head_dim, cp, dtype)
+    rotary = 4 * local_seq * (config.head_dim // 2) * 4
+    return {"attn": ring + rotary, "attn.o_proj": batch_size * local_seq * config.hidden // tp * e}
+
+
+def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
+                              num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
+                              recompute: str = "selective", sequence_parallel: bool = False) -> dict[str, int]:
+    """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
+
+    One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks), plus the token
+    ids on the first stage and the final norm, head and loss on the last (ledger.gpt_activation_bytes). The
+    peak holds ``in_flight`` of them (microbatches_in_flight). recompute "none" and "selective" are the same
+    for the course model (SDPA never stores the s×s scores); "full" keeps each layer's input (b·s·d·e, /tp
+    with sequence parallelism) per micro-batch in flight, plus one layer's own terms while backward recomputes
+    it. With cp > 1 each rank holds s/cp tokens: every term at s/cp, attention's as
+    context_parallel_layer_terms. Exact for the course's code in torch 2.13 (the virtual cluster measures it;
+    a dense MLP: a mixture of experts' layer has no formula here).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
+    mesh.check_sequence(seq_len)
+    b, s, num_layers = micro_batch_size, seq_len // mesh.cp, len(partition_layers(config.num_layers, mesh.pp)[stage])
+    terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel)
+    if mesh.cp > 1:
+        terms.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
+    layer = sum(terms.values())
+    whole = gpt_activation_bytes(config, b, s, dtype)
+    edges = (whole["embed"] if stage == 0 else 0) + (
+        whole["norm"] + whole["head"] + whole["loss"] if stage == mesh.pp - 1 else 0)
+    in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
+    if recompute == "full":
+        layer_input = b * s * config.hidden * torch.tensor([], dtype=dtype).element_size()
+        per_microbatch = num_layers * layer_input // (mesh.tp if sequence_parallel else 1) + edges
+        return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + layer}
+    per_microbatch = num_layers * layer + edges
+    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch}
