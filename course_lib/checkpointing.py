@@ -31,6 +31,8 @@ data-parallel wrapper; `checkpointed(model)` says what a model runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -46,7 +48,21 @@ class _Checkpointed:
         self.function, self.meter = function, None
 
     def __call__(self, *args):
-        return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=False)
+        # The rerun runs inside the autograd engine, where the torch function modes of the forward (the virtual
+        # cluster's MetaFlashAttention) are not active: enter them again, so the rerun computes as the forward did.
+        modes = torch.overrides._get_current_function_mode_stack()
+
+        @contextlib.contextmanager
+        def rerun():
+            with contextlib.ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                yield
+
+        def contexts():
+            return contextlib.nullcontext(), rerun()
+
+        return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
     def _run(self, *args):
         rerun = torch._C._current_graph_task_id() != -1      # called by the autograd engine: a recomputation

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from .comm import Comm, wire_bytes
 from .dtensor_plans import dtensor_plan as dtensor_plan  # torch's DTensor version of apply_tp
 from .model import rms_norm
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
 # ------------------------------------------------------------------------------ the conjugate operators
 
@@ -350,9 +351,23 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False, voca
             layer.register_forward_pre_hook(enter_stack)
             layer.register_forward_hook(leave_stack)
     if vocab_parallel:
-        from .vocab_parallel import split_vocabulary  # here: vocab_parallel builds on this module's layers
         split_vocabulary(model, comm)
     model.tp_size, model.sequence_parallel, model.vocab_parallel = comm.size, sequence_parallel, vocab_parallel
+    return model
+
+
+def split_vocabulary(model: nn.Module, comm: Comm) -> nn.Module:
+    """apply_tp's ``vocab_parallel``: the embedding by rows, the head by columns (f before it), ``model.loss_fn``
+    the cross-entropy of the split logits (course_lib.vocab_parallel). A stage without them keeps its Identity."""
+    if model.config.tie_embeddings:
+        raise ValueError("vocab_parallel with tie_embeddings=True: the course splits the embedding and the head "
+                         "apart (each its own slice); untie them")
+    _rank_slice(model.config.vocab_size, comm, "vocab_size")     # the clear error, before anything changes
+    if isinstance(model.embed, nn.Embedding):
+        model.embed = VocabParallelEmbedding(model.embed, comm, g)
+    if isinstance(model.head, nn.Linear):
+        model.head = ColumnParallelLinear.from_dense(model.head, comm, copy_input=True)
+    model.loss_fn = VocabParallelLoss(comm)
     return model
 
 
@@ -365,7 +380,7 @@ def tp_allreduce_bytes(batch_size: int, seq_len: int, hidden: int, bytes_per_ele
 
 def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4,
                     sequence_parallel: bool = False, num_layers: int | None = None, stage: int = 0,
-                    num_stages: int = 1) -> dict:
+                    num_stages: int = 1, recompute: str = "none") -> dict:
     """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring). Refuses
     a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would. ``num_layers``: those of
     pipeline stage ``stage`` of ``num_stages`` (default: all of them, one stage).
@@ -374,24 +389,32 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
     ("layers_wire_bytes"); at the stack's ends ("ends_wire_bytes") an all-gather backward on the first stage
     (its scatter's) and one forward on the last (the gather before the final norm): stages pass slices; an
     all-reduce of each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count.
+    ``recompute="full"`` (course_lib.checkpointing): backward reruns each layer's forward, and with it its
+    collectives up to the last saved tensor, down_proj's input: attention's g (SP: both all-gathers and o_proj's
+    reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes").
     """
     check_tp_divisible(config, tp)
     layers = config.num_layers if num_layers is None else num_layers
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
+    rerun = layers if recompute == "full" else 0
     if not sequence_parallel:
         per_direction = 2 * layers
-        return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,
-                "forward_ops": {"all_reduce": per_direction}, "backward_ops": {"all_reduce": per_direction},
-                "payload_bytes_each": payload, "payload_bytes": 2 * per_direction * payload,
-                "wire_bytes_per_rank": 2 * per_direction * wire_bytes("all_reduce", payload, tp)}
+        return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction + rerun,
+                "forward_ops": {"all_reduce": per_direction}, "backward_ops": {"all_reduce": per_direction + rerun},
+                "recompute_ops": {"all_reduce": rerun}, "payload_bytes_each": payload,
+                "payload_bytes": (2 * per_direction + rerun) * payload,
+                "recompute_wire_bytes": rerun * wire_bytes("all_reduce", payload, tp),
+                "wire_bytes_per_rank": (2 * per_direction + rerun) * wire_bytes("all_reduce", payload, tp)}
     _check_sequence(seq_len, tp)
     norm_weight = config.hidden * bytes_per_element
     gather, scatter = wire_bytes("all_gather", payload, tp), wire_bytes("reduce_scatter", payload, tp)
     first, last = int(stage == 0), int(stage == num_stages - 1)
     parts = {"layers_wire_bytes": 4 * layers * (gather + scatter), "ends_wire_bytes": (first + last) * gather,
-             "norm_weights_wire_bytes": 2 * layers * wire_bytes("all_reduce", norm_weight, tp)}
+             "norm_weights_wire_bytes": 2 * layers * wire_bytes("all_reduce", norm_weight, tp),
+             "recompute_wire_bytes": rerun * (2 * gather + scatter)}
     return {"forward_ops": {"all_gather": 2 * layers + last, "reduce_scatter": 2 * layers},
-            "backward_ops": {"reduce_scatter": 2 * layers, "all_gather": 2 * layers + first, "all_reduce": 2 * layers},
-            "payload_bytes_each": payload,
-            "payload_bytes": (8 * layers + first + last) * payload + 2 * layers * norm_weight,
+            "backward_ops": {"reduce_scatter": 2 * layers + rerun, "all_gather": 2 * layers + first + 2 * rerun,
+                             "all_reduce": 2 * layers},
+            "recompute_ops": {"all_gather": 2 * rerun, "reduce_scatter": rerun}, "payload_bytes_each": payload,
+            "payload_bytes": (8 * layers + first + last + 3 * rerun) * payload + 2 * layers * norm_weight,
             **parts, "wire_bytes_per_rank": sum(parts.values())}

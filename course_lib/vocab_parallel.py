@@ -30,23 +30,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .comm import Comm, wire_bytes
-from .tensor_parallel import ColumnParallelLinear, _rank_slice, g
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's V/t rows of an nn.Embedding; the lookup of the others' tokens is 0, and g sums the ranks'."""
+    """This rank's V/t rows of an nn.Embedding; the lookup of the others' tokens is 0, and ``reduce`` (tensor_
+    parallel.g: all-reduce forward, identity backward) sums the ranks' lookups. Made by apply_tp(...,
+    vocab_parallel=True), which splits the head (a ColumnParallelLinear) and sets the loss too."""
 
-    def __init__(self, embedding: nn.Embedding, comm: Comm):
+    def __init__(self, embedding: nn.Embedding, comm: Comm, reduce):
         super().__init__()
-        self.comm, self.num_embeddings = comm, embedding.num_embeddings
-        self.rows = _rank_slice(embedding.num_embeddings, comm, "vocab_size")
+        self.comm, self.reduce, self.num_embeddings = comm, reduce, embedding.num_embeddings
+        per_rank = embedding.num_embeddings // comm.size
+        self.rows = slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
         self.weight = nn.Parameter(embedding.weight[self.rows].detach().clone())
 
     def forward(self, tokens):
         elsewhere = (tokens < self.rows.start) | (tokens >= self.rows.stop)
         local = (tokens - self.rows.start).masked_fill(elsewhere, 0)
         partial = F.embedding(local, self.weight).masked_fill(elsewhere[..., None], 0.0)
-        return g(partial, self.comm)
+        return self.reduce(partial, self.comm)
 
     def extra_repr(self):
         return f"{self.num_embeddings} words (this rank: {self.rows.start}..{self.rows.stop - 1}), tp={self.comm.size}"
@@ -99,21 +101,6 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, targets, self.comm)
 
 
-def split_vocabulary(model: nn.Module, comm: Comm) -> nn.Module:
-    """Split ``model``'s embedding by rows and head by columns over ``comm`` (in place; a pipeline stage
-    without them is left alone), and set ``model.loss_fn`` to the vocabulary-parallel cross-entropy."""
-    if model.config.tie_embeddings:
-        raise ValueError("vocab_parallel with tie_embeddings=True: the course splits the embedding and the head "
-                         "apart (each its own slice); untie them")
-    _rank_slice(model.config.vocab_size, comm, "vocab_size")     # the clear error, before anything changes
-    if isinstance(model.embed, nn.Embedding):
-        model.embed = VocabParallelEmbedding(model.embed, comm)
-    if isinstance(model.head, nn.Linear):
-        model.head = ColumnParallelLinear.from_dense(model.head, comm, copy_input=True)
-    model.loss_fn = VocabParallelLoss(comm)
-    return model
-
-
 # ---------------------------------------------------------------------------------------------- what it costs
 
 def vocab_parallel_activation_bytes(batch_size: int, seq_len: int, vocab_size: int, tp: int) -> dict[str, int]:
@@ -124,11 +111,16 @@ def vocab_parallel_activation_bytes(batch_size: int, seq_len: int, vocab_size: i
     return {"embed": tokens * (8 + 1), "loss": tokens * vocab_size // tp * 4 + tokens * (8 + 1)}
 
 
-def vocab_parallel_traffic(batch_size: int, seq_len: int, hidden: int, bytes_per_element: int, tp: int) -> dict:
-    """All-reduces of one micro-batch's forward and backward for the split embedding, head and loss, and the
-    bytes a rank sends (ring): the lookup's b·s·d·e forward, the loss's three of b·s numbers forward (in at
-    least fp32: 4 bytes each, 8 in float64), the head input's gradient b·s·d·e backward."""
+def vocab_parallel_traffic(batch_size: int, seq_len: int, hidden: int, bytes_per_element: int, tp: int, *,
+                           first_stage: bool = True, last_stage: bool = True) -> dict:
+    """All-reduces of one micro-batch's forward and backward for the split embedding (on the first pipeline
+    stage), head and loss (on the last), and the bytes a rank sends (ring): the lookup's b·s·d·e forward, the
+    loss's three of b·s numbers forward (in at least fp32: 4 bytes each, 8 in float64), the head input's
+    gradient b·s·d·e backward."""
     tokens, loss_bytes = batch_size * seq_len, max(bytes_per_element, 4)
-    payloads = [tokens * hidden * bytes_per_element] + [tokens * loss_bytes] * 3 + [tokens * hidden * bytes_per_element]
-    return {"forward_all_reduces": 4, "backward_all_reduces": 1, "payload_bytes": sum(payloads),
-            "wire_bytes_per_rank": sum(wire_bytes("all_reduce", p, tp) for p in payloads)}
+    activation = tokens * hidden * bytes_per_element
+    forward = [activation] * first_stage + [tokens * loss_bytes] * 3 * last_stage
+    backward = [activation] * last_stage
+    return {"forward_all_reduces": len(forward), "backward_all_reduces": len(backward),
+            "payload_bytes": sum(forward + backward),
+            "wire_bytes_per_rank": sum(wire_bytes("all_reduce", p, tp) for p in forward + backward)}
