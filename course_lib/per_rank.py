@@ -159,7 +159,8 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
         dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
         ring = ring_attention_bytes(micro_batch, config.num_kv_heads // mesh.tp, seq_len, config.head_dim, mesh.cp,
                                     dtype)
-        sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"])
+        rerun = ring["forward"] if recompute == "full" else 0        # a recomputed layer runs its ring again
+        sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"] + rerun)
     if mesh.ep > 1:
         one = all_to_all_bytes(micro_batch * local_seq, config.hidden, config.num_experts, config.top_k,
                                capacity_factor, mesh.ep, bytes_per_element)

@@ -150,7 +150,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def _my_slice(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     _check_sequence(x.shape[1], comm.size)
-    return x.chunk(comm.size, dim=1)[comm.rank].contiguous()
+    return x.chunk(comm.size, dim=1)[comm.rank].clone(memory_format=torch.contiguous_format)   # a copy, not a view
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
