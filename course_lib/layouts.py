@@ -41,6 +41,7 @@ class Workload:
     recompute: str = "selective"
     sequence_parallel: bool = False
     vocab_parallel: bool = False      # embedding, head and loss split over TP (course_lib.vocab_parallel)
+    fused_norm: bool = True           # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -52,8 +53,9 @@ class Workload:
     def assumptions(self) -> str:
         """What the memory counted for this workload assumes, in words (the planner prints it)."""
         return (f"{self.recompute} recomputation, sequence parallelism {'on' if self.sequence_parallel else 'off'}, "
-                f"vocabulary {'split over TP' if self.vocab_parallel else 'whole on every TP rank'}, fused-kernel "
-                "RMSNorm (its input and an fp32 rstd per token)")
+                f"vocabulary {'split over TP' if self.vocab_parallel else 'whole on every TP rank'}, "
+                + ("fused-kernel RMSNorm (its input and an fp32 rstd per token)" if self.fused_norm else
+                   "RMSNorm as F.rms_norm on the CPU (fp32 copies of its input and of x·rstd)"))
 
     def num_microbatches(self, dp: int) -> int | None:
         """m = B / (dp · b), or None if the global batch does not split into whole micro-batches."""
@@ -148,7 +150,7 @@ def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, g
         activations = activation_bytes_per_rank(
             config, mesh, stage, micro_batch_size=workload.micro_batch_size, seq_len=seq_len, num_microbatches=m,
             dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
-            vocab_parallel=workload.vocab_parallel)["peak"]
+            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm)["peak"]
         stages.append({"state": state, "activations": activations})
     busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
     reserve = int(reserve_share * gpu_bytes)

@@ -197,7 +197,7 @@ def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, t
 def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
                               num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
                               recompute: str = "selective", sequence_parallel: bool = False,
-                              vocab_parallel: bool = False) -> dict[str, int]:
+                              vocab_parallel: bool = False, fused_norm: bool = True) -> dict[str, int]:
     """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
 
     One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks, with
@@ -207,18 +207,19 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     vocab_parallel_activation_bytes). The peak holds ``in_flight`` of them (microbatches_in_flight), plus what one
     rerun saves while backward recomputes it (ledger.recomputed_layer_bytes). With cp > 1 each rank holds s/cp
     tokens: every term at s/cp, attention's as context_parallel_layer_terms ("full" only: selective would rerun
-    the ring). Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
+    the ring). ``fused_norm`` False: the norms as F.rms_norm on the CPU saves them (ledger.rms_norm_bytes).
+    Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
     mixture of experts' layer has no formula here).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
     mesh.check_sequence(seq_len)
     b, s, num_layers = micro_batch_size, seq_len // mesh.cp, len(partition_layers(config.num_layers, mesh.pp)[stage])
-    terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel,
+    terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, fused_norm=fused_norm,
                                        recompute="none" if mesh.cp > 1 and recompute == "selective" else recompute)
     if mesh.cp > 1 and recompute != "full":
         terms.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
-    whole = gpt_activation_bytes(config, b, s, dtype)
+    whole = gpt_activation_bytes(config, b, s, dtype, fused_norm=fused_norm)
     embed, loss = whole["embed"], whole["loss"]
     if vocab_parallel and mesh.tp > 1:
         split = vocab_parallel_activation_bytes(b, s, config.vocab_size, mesh.tp)
@@ -226,9 +227,10 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     edges = (embed if stage == 0 else 0) + (whole["norm"] + whole["head"] + loss if stage == mesh.pp - 1 else 0)
     in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
     per_microbatch = num_layers * sum(terms.values()) + edges
-    rerun = recomputed_layer_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute)
+    rerun = recomputed_layer_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute,
+                                   fused_norm=fused_norm)
     if mesh.cp > 1 and recompute == "full":     # the rerun layer's attention is ring attention's
-        layer = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp)
+        layer = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, fused_norm=fused_norm)
         layer.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
         rerun = sum(layer.values()) - terms["layer input"]
     return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + rerun}

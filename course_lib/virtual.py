@@ -73,7 +73,7 @@ from .checkpointing import RecomputeMeter
 from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
-from .model import PRESETS, build, preset
+from .model import PRESETS, RMSNorm, build, preset
 from .parallelize import Parallelism, parallelize
 from .per_rank import (
     activation_bytes_per_rank,
@@ -149,7 +149,7 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
              num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
              sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16,
-             vocab_parallel: bool = False) -> dict:
+             vocab_parallel: bool = False, fused_norm: bool = True) -> dict:
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
     Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
@@ -164,6 +164,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                     zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
                     schedule=schedule, dtype=dtype, vocab_parallel=vocab_parallel)
     options = check_workload(config, mesh, **workload)
+    workload["fused_norm"] = fused_norm
     coords = mesh.coords(rank)
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
     # model's device (here meta), so each one saves its own ids, not a view of the whole batch's. With cp > 1
@@ -173,6 +174,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     with fake_world(mesh.size, rank):
         comms = make_comms(mesh, rank)
         model = build(config, device="meta", dtype=dtype)
+        for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
+            norm.fused = fused_norm       # False: F.rms_norm, as the CPU runs it (model.RMSNorm)
         parallel = parallelize(model, mesh, comms, rank, options)
         stage, data_parallel = parallel.stage, parallel.data_parallel
         recorder = StepRecorder(stage, measure_memory=True)
@@ -225,7 +228,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 
 def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
-             schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False) -> dict:
+             schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False,
+             fused_norm: bool = True) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
     optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
@@ -245,7 +249,8 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, num_microbatches=num_microbatches,
                                                 schedule=schedule, dtype=dtype, recompute=recompute,
-                                                sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+                                                sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                                                fused_norm=fused_norm)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage, recompute=recompute,

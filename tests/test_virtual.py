@@ -354,3 +354,15 @@ def test_command_line_runs_cp_and_ep(capsys):
     run = json.loads(capsys.readouterr().out)
     assert run["coords"] == {"dp": 3, "tp": 0, "pp": 0, "ep": 3} and run["computed"] == ["state_bytes", "sent_bytes.dp"]
     assert run["state_bytes"]["weights"] == 2 * params_per_rank(preset("mixtral-8x7b"), Mesh(dp=4, ep=4), 0)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_norm_as_the_cpu_runs_it_equals_its_formula_too(recompute):
+    """fused_norm=False: every RMSNorm runs F.rms_norm (fp32 copies of its input and of x·rstd, as torch runs it on
+    the CPU), and the formulas' fused_norm=False predicts it; the fused norm keeps less."""
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    runs = {fused: run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute=recompute,
+                            sequence_parallel=True, fused_norm=fused) for fused in (True, False)}
+    for run in runs.values():
+        assert run["computed"] == [] and run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
+    assert runs[True]["activation_bytes_peak"] < runs[False]["activation_bytes_peak"]
