@@ -141,8 +141,8 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
     if config.num_experts and recompute == "full":
-        raise ValueError("recompute='full' with a mixture of experts: its peak is a formula's, and the course "
-                         "has no activation formula for its MoE layer")
+        raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
+                         "formula for its MoE layer to check a rerun's bytes against")
     return options
 
 
