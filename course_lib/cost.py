@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .arguments import check_number, check_whole
 from .hardware import GPU, find_gpu
 from .ledger import RECOMPUTE, active_params_per_token, check_zero_stage
 from .mesh import Mesh
@@ -193,6 +194,11 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
     Left out: overlap of TP communication with compute (Megatron overlaps some of backward's), the optimizer
     step, data loading, stragglers, the embedding's lookup and its gradient on the first stage.
     """
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
+                        ("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
+        check_whole(name, value)
+    check_number("bytes_per_element", bytes_per_element, above=0)
+    check_number("grad_bytes", grad_bytes, above=0)
     hw = find_gpu(gpu)
     t, p, v, m, b = mesh.tp, mesh.pp, virtual_stages, num_microbatches, micro_batch_size
     mesh.check_model(config, num_microbatches=m)

@@ -39,14 +39,17 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import logging
 import os
+import socket
 import sys
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .arguments import check_number
 from .rank_process import destroy_group
 from .workers import (
     DEFAULT_TIMEOUT,
@@ -71,6 +74,7 @@ def launch(fn: Callable, world_size: int, *, backend: str | None = None,
     world far beyond this machine (``workers.max_local_ranks``: at most 8 ranks per CPU core, 250 MiB of
     memory per rank, 128 ranks), :class:`GroupNotFormed` if the ranks do not all join the group in time.
     """
+    check_number("timeout", timeout, above=0)   # seconds; refused before any process starts
     if _under_torchrun():
         return _run_in_place(fn, world_size, backend, timeout, kwargs)
     try:
@@ -117,6 +121,35 @@ def _note_uncaught(hook):
     return noting
 
 
+_NODES: list[str] = []   # under torchrun: the host name of every rank, in rank order (check_same_command)
+
+
+def nodes() -> list[str]:
+    """The machines this world runs on, each once: from every rank under torchrun, else this one."""
+    return list(dict.fromkeys(_NODES)) or [socket.gethostname()]
+
+
+def check_same_command(rank: int, world_size: int) -> list[str]:
+    """Every rank's command line, compared through the group's store before any work: a ValueError naming the
+    ranks (and their machines) whose arguments differ from rank 0's. Returns each rank's host name.
+
+    torchrun starts each node's ranks with that node's command line; nodes started with different arguments
+    (--hidden 1024 on one, 2048 on the other) would otherwise build different models, call different
+    collectives and hang until the group's timeout. The check costs one small key per rank.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    mine = {"argv": sys.argv[1:], "host": socket.gethostname()}
+    store.set(f"course_lib/command/{rank}", json.dumps(mine))
+    every = [json.loads(store.get(f"course_lib/command/{r}")) for r in range(world_size)]  # get waits for the key
+    differ = [r for r, theirs in enumerate(every) if theirs["argv"] != every[0]["argv"]]
+    if differ:
+        hosts = sorted({every[r]["host"] for r in differ})
+        example = every[differ[0]]
+        raise ValueError(f"ranks {differ} (on {', '.join(hosts)}) were started with the arguments {example['argv']}, "
+                         f"rank 0 (on {every[0]['host']}) with {every[0]['argv']}: run the same command on every node")
+    return [entry["host"] for entry in every]
+
+
 def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
     """Under torchrun this process *is* one rank: join (or reuse) its group and run ``fn`` here."""
     rank, env_world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -131,6 +164,7 @@ def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # reads env://
         sys.excepthook = _note_uncaught(sys.excepthook)
         atexit.register(_leave_cleanly)
+        _NODES[:] = check_same_command(rank, world_size)
     value = fn(rank, world_size, **kwargs)
     values = [None] * world_size
     dist.all_gather_object(values, value)  # every rank gets the full list, as in a notebook

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import check_whole
 from .cost import StepTime, step_time
 from .ledger import CONVENTIONS, RECOMPUTE
 from .mesh import Mesh
@@ -44,6 +45,10 @@ class Workload:
     fused_norm: bool = True           # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
 
     def __post_init__(self):
+        check_whole("micro_batch_size", self.micro_batch_size)
+        check_whole("global_batch_size", self.global_batch_size)
+        if self.seq_len is not None:
+            check_whole("seq_len", self.seq_len)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         if self.micro_batch_size < 1 or self.global_batch_size < self.micro_batch_size:

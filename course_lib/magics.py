@@ -34,6 +34,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 
+from .arguments import integer, real
 from .launch import DEFAULT_TIMEOUT
 from .tracebacks import name_cells
 from .workers import TICK_SECONDS
@@ -131,7 +132,7 @@ class RanksMagics(Magics):
 
     def _start(self, args):
         parser = _Parser(prog="%ranks start")
-        parser.add_argument("world_size", type=int)
+        parser.add_argument("world_size", type=integer(1))
         parser.add_argument("--backend", choices=["gloo", "nccl"])
         options = parser.parse_args(args)
         if self.world is not None:
@@ -180,7 +181,7 @@ class RanksMagics(Magics):
     def _run_cell(self, line: str, cell: str):
         parser = _Parser(prog="%%ranks")
         parser.add_argument("--only", type=_rank_list, help="ranks to run on, e.g. 0 or 0,2")
-        parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+        parser.add_argument("--timeout", type=real(above=0), default=DEFAULT_TIMEOUT, help="seconds")
         options = parser.parse_args(shlex.split(line))
         world = self._need_world()
         ranks = options.only if options.only is not None else list(range(world.world_size))

@@ -1,6 +1,6 @@
 """Every parallelism of the course, combined in one place: ``parallelize(model, mesh, comms, rank, options)``.
 
-The model knows nothing of parallelism (DESIGN.md's principle 2); each technique module splits it one way
+The model knows nothing of parallelism (course_lib.model); each technique module splits it one way
 (apply_context_parallel, apply_tp, apply_ep, make_stage, a data-parallel wrapper). Wherever more than one is
 combined (notebook 06 onwards, runs.mesh, labs/parallel_3d.py, the virtual cluster) they are combined here, in
 this order, so that each sees the model it expects:

@@ -47,20 +47,28 @@ def layer_params(config, tp: int = 1, ep: int = 1) -> int:
     return (layer_projection_params(config) - experts + experts // ep) // tp + 2 * config.hidden
 
 
-def expert_params_per_rank(config, mesh: Mesh, stage: int) -> int:
+def layers_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> int:
+    """How many layers a rank of pipeline stage ``stage`` holds: its part of partition_layers, or, with
+    ``num_chunks`` v > 1 (interleaved schedules), its v chunks, virtual stages c·pp + stage (make_stage)."""
+    parts = partition_layers(config.num_layers, mesh.pp, num_chunks=num_chunks)
+    return sum(len(parts[c * mesh.pp + stage]) for c in range(num_chunks))
+
+
+def expert_params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> int:
     """The part of params_per_rank that is experts (E/ep per layer, / tp): the part averaged over expert_dp."""
-    layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+    layers = layers_per_rank(config, mesh, stage, num_chunks)
     return layers * _expert_mlp_params(config) // mesh.ep // mesh.tp
 
 
-def params_per_rank(config, mesh: Mesh, stage: int, vocab_parallel: bool = False) -> int:
+def params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1, vocab_parallel: bool = False) -> int:
     """Parameters held by one rank of pipeline stage ``stage``: its layers' matrices / tp (TP splits every
     projection of attention and MLP), E/ep of a mixture's experts, its layers' norms whole, plus the embedding on
     the first stage and the final norm and head on the last (none of which TP splits here). Exact for the course
     model; a tied head is the embedding itself when one stage holds both, and a copy of it on the last stage
-    otherwise. CP splits the sequence, not the weights: every rank of a CP group holds the same.
+    otherwise. CP splits the sequence, not the weights: every rank of a CP group holds the same. ``num_chunks``
+    v > 1: the layers of its v chunks (layers_per_rank); the embedding and head stay on the first and last stage.
     ``vocab_parallel`` (apply_tp(..., vocab_parallel=True)): embedding and head hold V/tp rows each."""
-    count = len(partition_layers(config.num_layers, mesh.pp)[stage]) * layer_params(config, mesh.tp, mesh.ep)
+    count = layers_per_rank(config, mesh, stage, num_chunks) * layer_params(config, mesh.tp, mesh.ep)
     table = config.vocab_size * config.hidden // (mesh.tp if vocab_parallel else 1)
     if stage == 0:
         count += table
@@ -73,11 +81,13 @@ def params_per_rank(config, mesh: Mesh, stage: int, vocab_parallel: bool = False
 
 # ------------------------------------------------------------------------------ data parallelism, once
 
-def data_parallel_parts(config, mesh: Mesh, stage: int, vocab_parallel: bool = False) -> list[tuple[int, int, int]]:
+def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1,
+                        vocab_parallel: bool = False) -> list[tuple[int, int, int]]:
     """This rank's parameters as (count, shard group size, replicas), one entry per group that averages them
     (module docstring): the dense part over the dp_shard·cp ranks that hold it (dp·cp unless HSDP), replicated
     dp_replicate times; a mixture's experts over their dp·cp/ep ranks (expert_dp)."""
-    params, experts = params_per_rank(config, mesh, stage, vocab_parallel), expert_params_per_rank(config, mesh, stage)
+    params = params_per_rank(config, mesh, stage, num_chunks, vocab_parallel)
+    experts = expert_params_per_rank(config, mesh, stage, num_chunks)
     parts = [(params - experts, mesh.dp_shard * mesh.cp, mesh.dp_replicate)]
     if experts:
         parts.append((experts, mesh.dp * mesh.cp // mesh.ep, 1))
@@ -85,47 +95,70 @@ def data_parallel_parts(config, mesh: Mesh, stage: int, vocab_parallel: bool = F
 
 
 def data_parallel_state_bytes(config, mesh: Mesh, stage: int, zero_stage: int, *, weight_bytes: int = 2,
-                              grad_bytes: int = 2, optimizer_bytes: int = 12,
+                              grad_bytes: int = 2, optimizer_bytes: int = 12, num_chunks: int = 1,
                               vocab_parallel: bool = False) -> dict[str, int]:
     """Training state on one rank of pipeline stage ``stage``: {"weights", "grads", "optimizer", "total"},
     ledger.zero_state_bytes of each data_parallel_parts entry over its own shard group, added. HSDP
     (dp_replicate > 1) is ZeRO-3 inside a replica: pass zero_stage=3. No ZeRO padding (zero.padded_num_params)."""
     states = [zero_state_bytes(count, zero_stage, group, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                                optimizer_bytes=optimizer_bytes)
-              for count, group, _ in data_parallel_parts(config, mesh, stage, vocab_parallel)]
+              for count, group, _ in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel)]
     return {part: sum(state[part] for state in states) for part in states[0]}
 
 
-def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                                 accumulation_steps: int = 1, vocab_parallel: bool = False) -> dict[str, float]:
-    """Bytes one rank of ``stage`` sends per optimizer step to average its gradients (and, ZeRO 1-3, gather its
-    weights), by op: zero.wire_bytes_per_step of each data_parallel_parts entry over its group, or
-    hsdp.hsdp_wire_bytes_per_step where it has replicas. ``accumulation_steps``: micro-steps per optimizer
-    step (a pipeline's micro-batches: ZeRO-2 and -3 reduce, ZeRO-3 gathers, in each of them)."""
-    total: dict[str, float] = {}
-    for count, group, replicas in data_parallel_parts(config, mesh, stage, vocab_parallel):
+def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
+                          accumulation_steps: int = 1, num_chunks: int = 1, vocab_parallel: bool = False) -> list[dict]:
+    """What one rank of ``stage`` sends per optimizer step to average its gradients (ZeRO 1-3: and gather its
+    weights), group by group: [{"group", "size", "span", "ops"}]. "group" names the mesh's group ("dp_cp",
+    "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
+    "span" is how many consecutive ranks the group reaches across (its link: inside a node when the span fits
+    one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step).
+    ``accumulation_steps``: micro-steps per optimizer step (a pipeline's micro-batches: ZeRO-2 and -3 reduce,
+    ZeRO-3 gathers, in each of them)."""
+    replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
+    traffic = []
+    for count, group, replicas in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel):
         if replicas > 1:
             if zero_stage != 3:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
                                  "inside each replica (zero_stage=3)")
             ops = hsdp_wire_bytes_per_step(count * grad_bytes, group, replicas, accumulation_steps)
+            across = ops.pop("all_reduce")
+            traffic += [{"group": "dp_shard_cp", "size": group, "span": replica_span, "ops": ops},
+                        {"group": "dp_replicate", "size": replicas, "span": mesh.dp * mesh.cp * mesh.tp,
+                         "ops": {"all_reduce": across}}]
         else:
-            ops = wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)
-        for op, nbytes in ops.items():
+            name = "dp_cp" if group == mesh.dp * mesh.cp else "expert_dp"
+            traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp,
+                            "ops": wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)})
+    return traffic
+
+
+def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
+                                 accumulation_steps: int = 1, num_chunks: int = 1,
+                                 vocab_parallel: bool = False) -> dict[str, float]:
+    """data_parallel_traffic's bytes by op, over all its groups: what one rank sends per optimizer step to
+    average its gradients."""
+    total: dict[str, float] = {}
+    for part in data_parallel_traffic(config, mesh, stage, zero_stage, grad_bytes=grad_bytes,
+                                      accumulation_steps=accumulation_steps, num_chunks=num_chunks,
+                                      vocab_parallel=vocab_parallel):
+        for op, nbytes in part["ops"].items():
             total[op] = total.get(op, 0) + nbytes
     return total
 
 
 def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_len: int, num_microbatches: int,
                         bytes_per_element: int = 4, sequence_parallel: bool = False,
-                        capacity_factor: float | None = None, zero_stage: int = 0, recompute: str = "none",
-                        vocab_parallel: bool = False) -> dict[str, float]:
+                        capacity_factor: float | None = None, zero_stage: int = 0,
+                        num_chunks: int = 1, recompute: str = "none", vocab_parallel: bool = False) -> dict[str, float]:
     """Bytes one rank of ``stage`` sends in one training step, per axis (ring algorithms, as comm.wire_bytes):
 
     * tp: 4 all-reduces per layer and micro-batch (2 forward, 2 backward), each of one activation
       a = (batch/dp/m) · (seq/cp) · hidden · bytes, each sending 2(tp-1)/tp · a;
     * pp: one activation a per micro-batch to the next stage (not from the last), one gradient of it to the
-      previous stage (not from the first);
+      previous stage (not from the first); with ``num_chunks`` v > 1, so for each of its chunks (virtual stage
+      c·pp + stage: to the next virtual stage unless the last, back unless the first);
     * dp: data_parallel_bytes_per_step with ``zero_stage`` (default 0: one all-reduce of this rank's gradients
       over the dp × cp ranks that hold the same weights, 2(dp·cp-1)/(dp·cp) · params_per_rank · bytes; a
       mixture's experts over their dp·cp/ep ranks, expert_dp), the micro-batches its accumulation steps;
@@ -137,23 +170,28 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
     becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes, plus the stack's ends and the
     norms' weights (tensor_parallel.tp_step_traffic); the stages pass 1/tp of the sequence, a/tp.
-    ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic). ``vocab_parallel``:
-    the split embedding's, head's and loss's all-reduces (vocab_parallel.vocab_parallel_traffic).
+    ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic) and each layer's
+    ring (cp). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
     """
     mesh.check_sequence(seq_len)
     micro_batch, local_seq = batch_size // mesh.dp // num_microbatches, seq_len // mesh.cp
     activation = tp_allreduce_bytes(micro_batch, local_seq, config.hidden, bytes_per_element)
-    layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
-    tp = num_microbatches * tp_step_traffic(config, micro_batch, local_seq, mesh.tp, bytes_per_element, sequence_parallel,
-                                            layers, stage, mesh.pp, recompute)["wire_bytes_per_rank"] if mesh.tp > 1 else 0
-    if vocab_parallel and mesh.tp > 1:
-        tp += num_microbatches * vocab_parallel_traffic(micro_batch, local_seq, config.hidden, bytes_per_element,
-                                                        mesh.tp, first_stage=stage == 0,
-                                                        last_stage=stage == mesh.pp - 1)["wire_bytes_per_rank"]
+    layers = layers_per_rank(config, mesh, stage, num_chunks)
+    tp = 0
+    if mesh.tp > 1:
+        tp = num_microbatches * tp_step_traffic(config, micro_batch, local_seq, mesh.tp, bytes_per_element,
+                                                sequence_parallel, layers, stage, mesh.pp, recompute)["wire_bytes_per_rank"]
+        if vocab_parallel:
+            tp += num_microbatches * vocab_parallel_traffic(micro_batch, local_seq, config.hidden, bytes_per_element,
+                                                            mesh.tp, first_stage=stage == 0,
+                                                            last_stage=stage == mesh.pp - 1)["wire_bytes_per_rank"]
     boundary = activation // mesh.tp if sequence_parallel else activation
-    pp = num_microbatches * boundary * ((stage < mesh.pp - 1) + (stage > 0))
+    last = mesh.pp * num_chunks - 1
+    hand_offs = sum((c * mesh.pp + stage < last) + (c * mesh.pp + stage > 0) for c in range(num_chunks))
+    pp = num_microbatches * boundary * hand_offs
     dp = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=bytes_per_element,
-                                      accumulation_steps=num_microbatches, vocab_parallel=vocab_parallel)
+                                      accumulation_steps=num_microbatches, num_chunks=num_chunks,
+                                      vocab_parallel=vocab_parallel)
     sent = {"tp": tp, "pp": pp, "dp": sum(dp.values())}
     if mesh.cp > 1:
         dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]

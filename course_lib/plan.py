@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .arguments import check_number, check_whole
 from .cost import StepTime
 from .hardware import find_gpu
 from .layouts import (
@@ -97,6 +98,13 @@ def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: 
     ``gpu``, a hardware.GPUS key, also sets the speed and links that step time uses) for ``workload`` (default:
     Workload()). The three questions give the source's layout from the state alone; the chosen layout is the
     fastest that fits with its activations (questions 4 and 5), and ``fits`` is true only for such a layout."""
+    check_whole("num_gpus", num_gpus)
+    check_whole("gpus_per_node", gpus_per_node)
+    if gpu_bytes is not None:
+        check_number("gpu_bytes", gpu_bytes, above=0)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention={convention!r}: choose one of {', '.join(map(repr, CONVENTIONS))}")
+    check_number("reserve_share", reserve_share, at_least=0, below=1)
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
     workload = workload or Workload()

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -47,12 +48,15 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-def worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w):
-    os.setpgrp()  # Jupyter's stop button signals the kernel's process group; ours is separate
+def worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w,
+                notebook_alive, generation=0):
+    # Our own process group: Jupyter's stop button signals the kernel's group, not ours; and whatever this rank
+    # starts (a subprocess, a `sleep 300`) joins it, so the notebook ends them all with one killpg.
+    os.setpgrp()
     # Interruptible whatever we inherited: a process started in the background by a shell (a CI job, nohup)
     # ignores SIGINT, and so would every rank, and World could then only restart a rank stuck in a loop.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _die_with_parent()
+    _die_with_notebook(notebook_alive)
     for fd, end in ((1, out_w), (2, err_w)):
         os.dup2(end.fileno(), fd)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), line_buffering=True)
@@ -67,7 +71,7 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        init_group(rank, world_size, backend, store_port)
+        init_group(rank, world_size, backend, store_port, generation)
         dist.barrier()  # NCCL connects lazily, at the first collective: only this proves that the group works
     except Exception as exc:  # report a failed start like any other error
         _reply_error(conn, exc)
@@ -84,7 +88,7 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
             fn, kwargs, sources = cloudpickle.loads(task)
             linecache.cache.update(sources)  # so tracebacks show the notebook cell's lines
             value = fn(rank, world_size, **kwargs)
-            reply = cloudpickle.dumps(("ok", _to_cpu(value)))
+            reply = _pickled_result(rank, value)
         except BaseException as exc:  # KeyboardInterrupt too: the notebook should hear about it
             _reply_error(conn, exc)
             if exit_after_error:
@@ -130,14 +134,46 @@ def _reply_error(conn, exc: BaseException) -> None:
     _send_uninterrupted(conn, cloudpickle.dumps(("error", when, summary, tb)))
 
 
+class UnsendableResult(TypeError):
+    """What a rank returned cannot travel back to the notebook (a lock, an open file, a generator...)."""
+
+
+def _pickled_result(rank: int, value) -> bytes:
+    """The reply for ``value``; an UnsendableResult naming the rank and the value's type if it cannot be pickled.
+    Raised from None: cloudpickle's frames say nothing the learner can act on."""
+    try:
+        return cloudpickle.dumps(("ok", _to_cpu(value)))
+    except Exception as error:
+        raise UnsendableResult(
+            f"rank {rank} returned a {type(value).__name__} that could not be sent back to the notebook "
+            f"({type(error).__name__}: {error}); return tensors, numbers, strings, lists or dicts of them") from None
+
+
 def _to_cpu(value):
     """Results travel to the notebook, which may have no GPU: bring tensors home first."""
     return torch.utils._pytree.tree_map(
         lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
-def _die_with_parent() -> None:
-    """Linux: if our parent dies (the kernel is killed), the OS kills us too."""
+def _die_with_notebook(notebook_alive) -> None:
+    """End this rank, and everything it started, when the notebook's process ends, however it ends (kill -9
+    included, where no cleanup of the notebook's runs).
+
+    ``notebook_alive`` is the read end of a pipe whose only write end the notebook's process holds: nothing is
+    ever written to it, so a read returns exactly when that process is gone (the OS closes its descriptors).
+    A thread waits for that and kills our whole process group. ``PR_SET_PDEATHSIG`` alone cannot do this: our
+    parent is multiprocessing's forkserver, not the notebook, and the forkserver outlives the notebook for as
+    long as any rank lives (each rank holds the write end of the forkserver's own "alive" pipe). Once the ranks
+    are gone, the forkserver sees that pipe close and exits too. PDEATHSIG stays, for a forkserver killed first.
+    """
+    def watch():
+        try:
+            notebook_alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="course_lib: watch the notebook", daemon=True).start()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
 from .checkpointing import RecomputeMeter
 from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
@@ -82,7 +83,7 @@ from .per_rank import (
     microbatches_in_flight,
     sent_bytes_per_rank,
 )
-from .pipeline_parallel import StepRecorder
+from .pipeline_parallel import StepRecorder, stage_chunks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -121,13 +122,14 @@ class MetaFlashAttention(TorchFunctionMode):
 
 def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
                    zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype,
-                   vocab_parallel: bool = False) -> Parallelism:
+                   vocab_parallel: bool = False, num_chunks: int = 1) -> Parallelism:
     """The errors a real run would raise, before any group is made: parallelize's own checks (the mesh's, the
     schedule's, the same messages), ZeRO's, and the model's limit on the sequence. Returns parallelize's options."""
     check_zero_stage(zero_stage)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
+                          num_chunks=num_chunks,
                           num_microbatches=num_microbatches, data_parallel=mesh.ep == 1,
                           activation_checkpointing=None if recompute == "none" else recompute,
                           vocab_parallel=vocab_parallel)
@@ -140,6 +142,9 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
+    if num_chunks > 1 and recompute == "full":
+        raise ValueError("recompute='full' with num_chunks > 1: its peak is a formula's, and the course has none "
+                         "for an interleaved schedule")
     if config.num_experts and recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
                          "formula for its MoE layer to check a rerun's bytes against")
@@ -149,7 +154,7 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
              num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
              sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16,
-             vocab_parallel: bool = False, fused_norm: bool = True) -> dict:
+             vocab_parallel: bool = False, fused_norm: bool = True, num_chunks: int = 1) -> dict:
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
     Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
@@ -162,7 +167,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     start = time.perf_counter()
     workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                     zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
-                    schedule=schedule, dtype=dtype, vocab_parallel=vocab_parallel)
+                    schedule=schedule, dtype=dtype, vocab_parallel=vocab_parallel, num_chunks=num_chunks)
     options = check_workload(config, mesh, **workload)
     workload["fused_norm"] = fused_norm
     coords = mesh.coords(rank)
@@ -192,11 +197,13 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                 state = measure_state_bytes(data_parallel, data_parallel.optimizer)
         if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
             logs["dp"].records.extend(replicas.records)
-    layers = [i for i, layer in enumerate(stage.layers) if not isinstance(layer, torch.nn.Identity)]
+    held = [[i for i, layer in enumerate(chunk.layers) if not isinstance(layer, torch.nn.Identity)]
+            for chunk in stage_chunks(stage)]
+    layers = [[chunk[0], chunk[-1] + 1] for chunk in held]
     # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
     result = {
         "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
-        "layers": [layers[0], layers[-1] + 1],
+        "layers": layers[0] if num_chunks == 1 else layers,       # v > 1: each chunk's [first, last + 1)
         "state_bytes": ({part: state[part] for part in ("weights", "grads", "optimizer", "total")}
                         if data_parallel else None),
         # the most held at once (at a backward's start), and the largest rerun that backward holds beside it
@@ -229,7 +236,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
              schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False,
-             fused_norm: bool = True) -> dict:
+             fused_norm: bool = True, num_chunks: int = 1) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
     optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
@@ -238,13 +245,13 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     group, so where the group does not divide a unit the run holds and sends a little more: fewer than dp
     parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
     hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
-    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations have
-    no formula: None."""
+    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations, and an
+    interleaved schedule's (``num_chunks`` > 1), have no formula: None."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
-    if config.num_experts:
-        activations = {"peak": None, "per_microbatch": None,
-                       "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
+    if config.num_experts or num_chunks > 1:
+        activations = {"peak": None, "per_microbatch": None, "in_flight": None if num_chunks > 1 else
+                       microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
     else:
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, num_microbatches=num_microbatches,
@@ -253,12 +260,13 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                                                 fused_norm=fused_norm)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
-                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, recompute=recompute,
-                               vocab_parallel=vocab_parallel)
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks,
+                               recompute=recompute, vocab_parallel=vocab_parallel)
     dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
-                                          accumulation_steps=num_microbatches, vocab_parallel=vocab_parallel)
+                                          accumulation_steps=num_microbatches, num_chunks=num_chunks,
+                                          vocab_parallel=vocab_parallel)
     state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
-                                      optimizer_bytes=12, vocab_parallel=vocab_parallel)
+                                      optimizer_bytes=12, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
@@ -270,27 +278,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
                         help="a model of course_lib.model.PRESETS (default llama2-70b)")
-    parser.add_argument("--world-size", type=int,
+    ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.arguments: a bad value is one line, exit code 2
+    parser.add_argument("--world-size", type=ranks,
                         help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
-    parser.add_argument("--dp", type=int)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism: ring attention over s/cp tokens")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
-    parser.add_argument("--dp-replicate", type=int, default=1,
+    parser.add_argument("--dp", type=ranks)
+    parser.add_argument("--tp", type=ranks, default=1)
+    parser.add_argument("--pp", type=ranks, default=1)
+    parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
+    parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
+    parser.add_argument("--dp-replicate", type=ranks, default=1,
                         help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--num-microbatches", type=int, default=1)
-    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
+    parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0)
+    parser.add_argument("--seq-len", type=integer(1), default=4096)
+    parser.add_argument("--micro-batch-size", type=integer(1), default=1)
+    parser.add_argument("--num-microbatches", type=integer(1, MAX_VIRTUAL_MICROBATCHES), default=1,
+                        help=f"at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: ~0.06 s for a 70B stack)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+                        help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="split the embedding, head and loss by vocabulary over TP (course_lib.vocab_parallel)")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
+    parser.add_argument("--num-chunks", type=int, default=1, help="layer chunks per stage (--schedule interleaved)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     args = parser.parse_args(argv)
+    size = (args.dp or 1) * args.tp * args.pp * args.cp * (args.dp_replicate if args.dp is None else 1)
+    if size > MAX_VIRTUAL_WORLD:   # each degree is in range, their product need not be
+        parser.error(f"dp × tp × pp × cp = {size:,} ranks: more than the {MAX_VIRTUAL_WORLD:,} a virtual world "
+                     "may have (course_lib.arguments.MAX_VIRTUAL_WORLD)")
     try:
         config = preset(args.preset)
         if args.dp is None:
@@ -303,6 +319,7 @@ def main(argv=None) -> int:
         result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                           num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                          num_chunks=args.num_chunks,
                           dtype=DTYPES[args.dtype], vocab_parallel=args.vocab_parallel)
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)

@@ -8,22 +8,19 @@ reply is ``("ok", value)`` or ``("error", when, summary, traceback)``. ``launch.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
-import types
 from typing import Callable
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .rank_process import LOOPBACK, arrival_key, worker_main
+from .processes import describe_exit, kill_group, loopback_store, main_module_hidden, sigint_ignored
+from .rank_process import arrival_key, worker_main
 from .tracebacks import (
     PLUMBING_FILES,
     GroupNotFormed,
@@ -117,18 +114,21 @@ class WorkerGroup:
         self.on_tick: Callable[[], None] | None = None  # called at least every TICK_SECONDS while waiting
         self._partial: dict[tuple[int, str], str] = {}
         # The rendezvous: this process hosts the store, on a free port the OS picks, on loopback only.
-        self._store = _loopback_store()
+        self._store = loopback_store()
         self.store_port = self._store.port
         cpus = len(os.sched_getaffinity(0))
-        threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
-        ctx = _context()
-        self.procs, self.conns, self._outputs = [], [], {}
+        self._threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
+        self._exit_after_error = exit_after_error
+        self._ctx = _context()
+        # Only this process holds the write end: when it dies, every rank reads EOF and ends (rank_process).
+        self._notebook_alive, self._alive_w = self._ctx.Pipe(duplex=False)
+        self.procs, self.conns, self._outputs = [None] * world_size, [None] * world_size, {}
         self._busy = True  # until the group has formed: close() kills at once
         self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
         line = WaitLine()
         try:
             for rank in range(world_size):
-                self._start_rank(ctx, rank, self.store_port, threads, exit_after_error)
+                self._start_rank(rank)
                 if rank == 0:  # its start includes the forkserver's first (~3 s, importing torch): not counted,
                     line = WaitLine()  # as no line could be updated while it lasts
                 line.show(f"starting the ranks' processes: {rank + 1} of {world_size}")
@@ -144,22 +144,53 @@ class WorkerGroup:
         line.end(f"the process group of {world_size} ranks formed")
         self._busy = False
 
-    def _start_rank(self, ctx, rank: int, store_port: int, threads: int, exit_after_error: bool) -> None:
-        """Start the process of ``rank``; it will join the group through the store at ``store_port``."""
-        conn, child_conn = ctx.Pipe()
-        out_r, out_w = ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
-        err_r, err_w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
-            rank, self.world_size, self.backend, store_port, threads, exit_after_error, child_conn, out_w, err_w))
-        with _main_module_hidden():
+    def _start_rank(self, rank: int, generation: int = 0) -> None:
+        """Start the process of ``rank``; it will join the group (of ``generation``) through the store."""
+        conn, child_conn = self._ctx.Pipe()
+        out_r, out_w = self._ctx.Pipe(duplex=False)  # used as raw byte pipes for fd 1 and fd 2
+        err_r, err_w = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
+            rank, self.world_size, self.backend, self.store_port, self._threads, self._exit_after_error, child_conn,
+            out_w, err_w, self._notebook_alive, generation))
+        with main_module_hidden():
             proc.start()
         for end in (child_conn, out_w, err_w):  # the worker holds these now
             end.close()
         for stream, reader in (("stdout", out_r), ("stderr", err_r)):
             os.set_blocking(reader.fileno(), False)
             self._outputs[reader.fileno()] = (rank, stream, reader)
-        self.procs.append(proc)
-        self.conns.append(conn)
+        self.procs[rank], self.conns[rank] = proc, conn
+
+    def dead(self) -> list[int]:
+        """The ranks whose process has ended (killed by the out-of-memory killer, say)."""
+        return [r for r, proc in enumerate(self.procs) if not proc.is_alive()]
+
+    def exit_description(self, rank: int) -> str:
+        """How the process of ``rank`` ended, e.g. "exit code -9, killed by SIGKILL (out of memory?)"."""
+        self.procs[rank].join(timeout=1)
+        return f"exit code {describe_exit(self.procs[rank].exitcode)}"
+
+    def restart_ranks(self, ranks: list[int], generation: int) -> None:
+        """Replace the processes of ``ranks`` (ended, or to be ended) with fresh ones that join the process group
+        of ``generation``; the caller has the other ranks join it too, then collects everyone's reply (a fresh
+        rank says ("ok", "joined"))."""
+        for r in ranks:
+            self._end_rank(r)
+            self._start_rank(r, generation)
+        self._sent_sources.clear()  # the fresh ranks have none of the notebook's cells: send them all again
+
+    def _end_rank(self, rank: int) -> None:
+        """Kill the process of ``rank`` and everything it started; close what connected us to it."""
+        self.conns[rank].close()
+        proc = self.procs[rank]
+        kill_group(proc.pid)
+        proc.join(timeout=5)
+        kill_group(proc.pid)  # anything its last moments started
+        self._pump_output()  # its last words (a reader at EOF is dropped there)
+        for fd, (r, _, reader) in list(self._outputs.items()):
+            if r == rank:
+                reader.close()
+                del self._outputs[fd]
 
     def _wait_until_formed(self, timeout: float, line: WaitLine) -> None:
         """Wait until every rank says "joined" (after init_process_group and a barrier). Raises the RankError
@@ -229,7 +260,10 @@ class WorkerGroup:
         task = dumps((fn, kwargs or {}, sources))
         self._busy = True
         for r in ranks:
-            self.conns[r].send_bytes(task)
+            try:
+                self.conns[r].send_bytes(task)
+            except OSError:  # BrokenPipeError: the rank's process has ended; its reply will say how (_receive)
+                pass
 
     def collect(self, ranks: list[int], *, timeout: float, stop_at_error: bool) -> dict:
         """Wait for the replies of ``ranks``, relaying their output meanwhile.
@@ -271,9 +305,11 @@ class WorkerGroup:
             kind, *payload = cloudpickle.loads(self.conns[rank].recv_bytes())
         except (EOFError, OSError):  # the process is gone without a word
             self.procs[rank].join(timeout=1)
-            code = _describe_exit(self.procs[rank].exitcode)
+            code = describe_exit(self.procs[rank].exitcode)
             # A silent death comes before the errors it causes in its peers: rank it first (time 0).
             return "error", RankError(rank, f"the process died (exit code {code}) without reporting an error", when=0.0)
+        except Exception as error:  # the reply came, but cannot be rebuilt here (a class this process lacks)
+            return "error", RankError(rank, f"its reply could not be read here: {type(error).__name__}: {error}")
         if kind == "ok":
             return "ok", payload[0]
         when, summary, tb = payload
@@ -321,81 +357,25 @@ class WorkerGroup:
         self._partial.clear()
 
     def close(self):
-        """Stop every worker and everything it started; safe to call twice."""
+        """Stop every worker and everything it started (its whole process group, whether the worker itself is
+        still running or not), and the store; safe to call twice."""
         with sigint_ignored():  # a second press of Jupyter's stop button must not leave orphans
+            started = [proc for proc in self.procs if proc is not None]
             for conn in self.conns:
-                conn.close()  # a worker waiting for a task sees EOF and exits by itself
+                if conn is not None:
+                    conn.close()  # a worker waiting for a task sees EOF and exits by itself
             end = time.monotonic() + (0.0 if self._busy else 1.0)  # a busy one (error, interrupt) is killed
-            for proc in self.procs:
+            for proc in started:
                 proc.join(timeout=max(0.0, end - time.monotonic()))
-            for proc in self.procs:
-                if proc.is_alive():
-                    _kill_tree(proc.pid)
+            for proc in started:
+                kill_group(proc.pid)  # a rank that ended leaves what it started running: `sleep 300`, say
                 proc.join(timeout=5)  # bounded: a cleanup must never be what hangs
+            self._alive_w.close()  # any rank still there now reads EOF and ends itself with its group
             for _, _, reader in self._outputs.values():
                 reader.close()
             self._outputs.clear()
-
-
-def _loopback_store() -> dist.TCPStore:
-    """The rendezvous store, listening on 127.0.0.1 only.
-
-    TCPStore's server listens on every interface whatever host it is given (``ss -ltn`` shows ``*:PORT``;
-    torch 2.13, libuv and legacy backends alike), so anyone on the network could read and write the keys
-    that wire the ranks together. So we bind the socket to loopback ourselves (port 0: the OS picks a free
-    port, no two notebooks collide) and hand it to the store, which owns the descriptor from then on (it
-    closes it when it is destroyed; hence ``detach``, or Python would close it a second time).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        port = sock.getsockname()[1]
-        return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """multiprocessing re-imports the parent's ``__main__`` in each child so that pickled names resolve.
-    We ship code by value, so skip it: faster, and it works from ``python -c``, stdin, or a script
-    without an ``if __name__ == "__main__"`` guard."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+            self._store = None  # its server stops listening as the last reference goes
 
 
 def _print_with_prefix(rank: int, stream: str, line: str) -> None:
     (sys.stderr if stream == "stderr" else sys.stdout).write(f"[rank {rank}] {line}")
-
-
-def _describe_exit(code) -> str:
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return f"{code}, killed by {name}{hint}"
-    return str(code)
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """Ctrl-C (Jupyter's stop button) is ignored inside the block: for cleanups that must not be cut short."""
-    try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: signals are not ours to change
-        old = None
-    try:
-        yield
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)

@@ -17,7 +17,9 @@ collective waiting for it; then the failed rank leaves the process group, which 
 collective fail within milliseconds, and all ranks join a fresh group ("generation"): the world *recovers*,
 variables kept, but objects built on the old group (DDP wrappers, subgroups, device meshes) must be made
 again. A rank that still does not answer is interrupted (SIGINT); failing that, the world *restarts*: new
-processes, variables lost. Either way the result says which happened.
+processes, variables lost. A rank whose process died (the out-of-memory killer sends SIGKILL) is started again
+and every rank joins a fresh group: the dead rank's variables are lost, the others keep theirs. Each time the
+result says which happened.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .arguments import check_number
 from .rank_process import destroy_group, init_group
 from .tracebacks import PLUMBING_FILES
-from .workers import DEFAULT_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
+from .workers import DEFAULT_TIMEOUT, FORM_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
@@ -105,18 +108,29 @@ class World:
         matplotlib figures) are kept from the lowest rank that ran. Never hangs: see the module docstring.
         """
         ranks = self.group.select(ranks)
+        check_number("timeout", timeout, above=0)
         compile(code, filename, "exec")  # a syntax error is the notebook's, before any rank runs anything
+        revived = self._revive_the_dead()
         relay = self.group.on_output
         self.group.on_output, self.group.on_tick = on_output or relay, on_tick
         try:
             self.group.submit(_run_cell, dict(code=code, filename=filename, display_rank=min(ranks)), ranks)
-            return self._finish(ranks, timeout)
+            outcome = self._finish(ranks, timeout)
         finally:
             self.group.on_output, self.group.on_tick = relay, None
+        if revived:   # said first: it happened before this cell ran
+            outcome.note = revived + (f"; then {outcome.note}" if outcome.note else "")
+            if outcome.world == "ok":
+                outcome.world = "recovered"
+        return outcome
 
     def run(self, fn, *, ranks: list[int] | None = None, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         """Run ``fn(rank, world_size, **kwargs)`` on the live ranks (their processes and group are kept)."""
         ranks = self.group.select(ranks)
+        check_number("timeout", timeout, above=0)
+        revived = self._revive_the_dead()
+        if revived:
+            print(f"The world recovered: {revived}.", file=sys.stderr)
         self.group.submit(fn, kwargs, ranks)
         outcome = self._finish(ranks, timeout)
         if outcome.error:
@@ -142,6 +156,27 @@ class World:
         self.group.close()
 
     # ------------------------------------------------------------------------------- waiting, and faults
+
+    def _revive_the_dead(self) -> str:
+        """Before a cell: start again the ranks whose process died since the last one (SIGKILL from the
+        out-of-memory killer, a segfault in a library, a kill -9), in a fresh process group with the others.
+        Returns what happened, in words ("" if every rank was alive)."""
+        dead = self.group.dead()
+        if not dead:
+            return ""
+        how = "; ".join(f"rank {r}: {self.group.exit_description(r)}" for r in dead)
+        gone = self._rejoin(restart=dead)
+        if gone:
+            self._restart_all()
+            return (f"ranks {dead} had died ({how}); the process group could not be rebuilt, so all "
+                    f"{self.world_size} ranks were restarted: their variables are lost")
+        return (f"ranks {dead} had died ({how}) and were started again; all ranks joined a new process group "
+                f"(generation {self.generation}): ranks {dead} lost their variables, the others kept theirs, but "
+                "objects built on the old group (DDP wrappers, subgroups, device meshes) must be made again")
+
+    def _restart_all(self) -> None:
+        self.group.close()
+        self._start()
 
     def _finish(self, ranks: list[int], timeout: float) -> CellOutcome:
         """Collect the replies of ``ranks``; on a failure, an interrupt or a timeout, make the world usable."""
@@ -181,7 +216,8 @@ class World:
             interrupt_stuck(GRACE)   # a Python loop answers at once; a rank inside a collective does not
         stuck, gone_from_group = self._missing(ranks, replies), []
         while True:  # a rank freed by the first leavers may have left others waiting for it: repeat
-            idle = [r for r in range(self.world_size) if r not in self._missing(ranks, replies) + gone_from_group]
+            idle = [r for r in range(self.world_size)
+                    if r not in self._missing(ranks, replies) + gone_from_group + self.group.dead()]
             if not self._missing(ranks, replies) or not idle:
                 break
             self.group.submit(_leave_group, None, idle)
@@ -198,32 +234,37 @@ class World:
                 wait_for_stuck(RESPONSE_TIMEOUT)
             else:
                 interrupt_stuck(RESPONSE_TIMEOUT)
-        gone = self._missing(ranks, replies) or [r for r, alive in enumerate(self.group.alive()) if not alive]
-        if not gone and (left_group or any(_is_group_failure(reply) for reply in replies.values())):
-            gone = self._rejoin()
-            note = (note + "; " if note else "") + (
-                f"all ranks joined a new process group (generation {self.generation}): variables are kept, but "
-                "objects built on the old group (DDP wrappers, subgroups, device meshes) must be made again"
-                if not gone else "the process group could not be rebuilt")
+        gone, dead = self._missing(ranks, replies), self.group.dead()
+        if not gone and (dead or left_group or any(_is_group_failure(reply) for reply in replies.values())):
+            gone = self._rejoin(restart=dead)
+            kept = f"ranks {dead} died and were started again (their variables are lost); " if dead else ""
+            if gone:
+                note = (note + "; " if note else "") + "the process group could not be rebuilt"
+            else:
+                note = (note + "; " if note else "") + kept + (
+                    f"all ranks joined a new process group (generation {self.generation}): "
+                    + ("the others kept their variables" if dead else "variables are kept")
+                    + ", but objects built on the old group (DDP wrappers, subgroups, device meshes) must be made again")
             world = "recovered"
         else:
             world = "ok"
         if gone:
-            self.group.close()
-            self._start()
+            self._restart_all()
             return CellOutcome(self._results(ranks, replies), "restarted", (note + "; " if note else "") +
                                f"ranks {gone} did not respond, so all {self.world_size} ranks were restarted: "
                                "their variables are lost")
         self.group.mark_idle()
         return CellOutcome(self._results(ranks, replies), world, note)
 
-    def _rejoin(self) -> list[int]:
-        """Every rank joins a fresh process group; returns the ranks that could not."""
+    def _rejoin(self, restart: list[int] = ()) -> list[int]:
+        """Every rank joins a fresh process group, those in ``restart`` as fresh processes; returns the ranks
+        that could not."""
         everyone = list(range(self.world_size))
         self.generation += 1
+        self.group.restart_ranks(list(restart), self.generation)
         self.group.submit(_rejoin_group, dict(backend=self.backend, store_port=self.group.store_port,
-                                              generation=self.generation), everyone)
-        rejoined = self.group.collect(everyone, timeout=30, stop_at_error=False)
+                                              generation=self.generation), [r for r in everyone if r not in restart])
+        rejoined = self.group.collect(everyone, timeout=FORM_TIMEOUT, stop_at_error=False)
         return [r for r in everyone if rejoined.get(r, ("error",))[0] != "ok"]
 
     @staticmethod

@@ -180,8 +180,12 @@ def bandwidth_table(rows: list[dict], ranks: int) -> str:
     for nbytes in sorted({r["bytes"] for r in rows}):
         cells = {r["op"]: r["busbw"] for r in rows if r["bytes"] == nbytes}
         lines.append(f"{size(nbytes):>10}" + "".join(f"{cells[op] / 1e9:>16.3g} GB/s" for op in OPS))
+    # A time that did not grow with size (tiny messages on a busy CPU) fits a slope of 0 or less: β is then
+    # "infinite" (CostModel caps it at 1e30 B/s), a number no link has; 1 PB/s is beyond any link.
+    beta = (f"{fit.beta / 1e9:.2f} GB/s per rank" if fit.beta < 1e15 else
+            "not measurable (the time did not grow with the message size: sizes too small, or a busy machine)")
     lines.append(f"all_reduce fitted to time = α + wire bytes / β (comm.CostModel): α = {fit.alpha * 1e6:.0f} µs, "
-                 f"β = {fit.beta / 1e9:.2f} GB/s per rank")
+                 f"β = {beta}")
     return "\n".join(lines)
 
 

@@ -17,23 +17,32 @@ from pathlib import Path
 import torch
 
 from course_lib import device
+from course_lib.arguments import integer, real, writable_folder
+from course_lib.launch import nodes
+from course_lib.workers import check_world_fits
 
 RESULTS = Path(os.path.relpath(Path(__file__).parent / "results"))  # printed as the reader would type it
 
 
 def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e-2,
-               autocast: bool = True) -> argparse.ArgumentParser:
+               autocast: bool = True, min_steps: int = 1) -> argparse.ArgumentParser:
     """The arguments every lab takes; a lab adds its own (batch sizes, buckets, ...). ``autocast=False``: the
-    lab fixes its own precision (ZeRO trains bf16 weights with MixedPrecisionAdam), so no --dtype."""
+    lab fixes its own precision (ZeRO trains bf16 weights with MixedPrecisionAdam), so no --dtype. Every value is
+    checked as it is read (course_lib.arguments): a bad one stops the lab with one line, exit code 2, before any
+    process starts. ``min_steps``: labs that report a median over steps after the first need 2."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", world_size)),
+    parser.add_argument("--world-size", type=integer(1), default=int(os.environ.get("WORLD_SIZE", world_size)),
                         help="ranks to start here (under torchrun: its WORLD_SIZE)")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--hidden", type=int, help="model width (default: the tiny model's 64)")
-    parser.add_argument("--layers", type=int, help="number of layers (default: the tiny model's 4)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--steps", type=integer(min_steps), default=steps)
+    parser.add_argument("--seq-len", type=integer(1), default=32)
+    parser.add_argument("--lr", type=real(above=0), default=lr)
+    parser.add_argument("--hidden", type=integer(16, multiple_of=16),
+                        help="model width, a multiple of 16 (heads of 8 channels, 2 per key/value head; "
+                             "default: the tiny model's 64)")
+    parser.add_argument("--layers", type=integer(1), help="number of layers (default: the tiny model's 4)")
+    parser.add_argument("--out", type=writable_folder, default=RESULTS,
+                        help=f"where the JSON and PNG go (default: {RESULTS}, the results the notebooks show; "
+                             "notebooks and tests write to a temporary folder)")
     parser.add_argument("--backend", choices=("gloo", "nccl"),
                         help="default: nccl when every local rank has a GPU of its own, else gloo")
     if autocast:
@@ -43,12 +52,17 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:
     """The lab's arguments, with the backend and dtype settled here, before any rank starts: a world that
-    cannot run stops at once with a usage error, instead of in N processes."""
+    cannot run stops at once with a usage error, instead of in N processes. ``check(args)``, the lab's own
+    rules between arguments (pp ≤ layers, say), raises ValueError for the same one-line error."""
     args = parser.parse_args(argv)
     try:
+        if "RANK" not in os.environ:   # a world started here, not by torchrun: it must fit this machine
+            check_world_fits(args.world_size)
         args.backend = choose_backend(args.backend, args.world_size)
+        if check is not None:
+            check(args)
     except ValueError as error:
         parser.error(str(error))
     if hasattr(args, "dtype") and args.dtype is None:   # not given: what training on that device would use
@@ -120,9 +134,10 @@ def machine(backend: str, world_size: int) -> str:
 
 
 def run_info(args) -> dict:
-    """Where and how this run happened: the keys course_lib.lab_results reads to label it honestly."""
+    """Where and how this run happened: the keys course_lib.lab_results reads to label it honestly; ``nodes``
+    names each machine the ranks ran on (several in a multi-node run under torchrun)."""
     return {"world_size": args.world_size, "backend": args.backend, "device": "cuda" if args.backend == "nccl" else "cpu",
-            "machine": machine(args.backend, args.world_size), "dtype": getattr(args, "dtype", None),
+            "machine": machine(args.backend, args.world_size), "nodes": nodes(), "dtype": getattr(args, "dtype", None),
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 

@@ -35,6 +35,7 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
+from course_lib.arguments import integer, real
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens, micro_batches
 from course_lib.model import build, preset
@@ -88,10 +89,10 @@ def train_one(kind, rank, world_size, *, config, steps, per_rank_batch, accumula
 
 
 def main(argv=None):
-    parser = lab_parser(__doc__, lr=1e-3)
-    parser.add_argument("--per-rank-batch", type=int, default=4)
-    parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of ours and torch's, MiB")
+    parser = lab_parser(__doc__, lr=1e-3, min_steps=2)   # the first step (warm-up) is left out of the timings
+    parser.add_argument("--per-rank-batch", type=integer(1), default=4)
+    parser.add_argument("--accumulation", type=integer(1), default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--bucket-mb", type=real(above=0), default=1.0, help="bucket size of ours and torch's, MiB")
     args = parse(parser, argv)
     overrides = model_overrides(args)
     results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=3600, overrides=overrides,

@@ -31,6 +31,7 @@ from common import (
     write_record,
 )
 from course_lib import launch
+from course_lib.arguments import integer
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
@@ -56,17 +57,22 @@ def predicted_sent_bytes(config, mesh: Mesh, stage: int, dtype: str, **shape) ->
     return {**fp32, "tp": (fp32["tp"] + bf16["tp"]) / 2}
 
 
+def check_arguments(args) -> None:
+    """The grid and the model it splits, checked before any rank starts (common.parse)."""
+    Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp).check_model(
+        preset("tiny", **model_overrides(args)), batch_size=args.batch_size, num_microbatches=args.microbatches)
+
+
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=8, steps=10)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (inside a node)")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (across nodes)")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    args = parse(parser, argv)
+    parser.add_argument("--tp", type=integer(1), default=2, help="tensor-parallel degree (inside a node)")
+    parser.add_argument("--pp", type=integer(1), default=2, help="pipeline stages (across nodes)")
+    parser.add_argument("--microbatches", type=integer(1), default=4)
+    parser.add_argument("--batch-size", type=integer(1), default=16, help="global batch, in sequences")
+    args = parse(parser, argv, check=check_arguments)
     mesh = Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
-    mesh.check_model(config, batch_size=args.batch_size, num_microbatches=args.microbatches)   # before any rank
     results = launch(train_3d_in, args.world_size, backend=args.backend, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
                      num_microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
                      seq_len=args.seq_len, lr=args.lr, progress=True, return_params=False, dtype=args.dtype,

@@ -22,6 +22,8 @@ a stage, its weights and gradients (4 + 4 bytes per parameter; the lab takes no 
 
 from common import autocast, lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
+from course_lib.arguments import integer
+from course_lib.arguments import real as finite_number  # `real` names the --real run below
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, preset
 from course_lib.pipeline_parallel import Timeline, bubble_fraction, make_stage, partition_layers
@@ -49,14 +51,27 @@ def stage_state_bytes(config, p: int) -> list[int]:
     return [zero_state_bytes(n, 0, 1, weight_bytes=4, grad_bytes=4, optimizer_bytes=0)["total"] for n in params]
 
 
+def check_arguments(args) -> None:
+    """Rules between arguments, checked before any rank starts (common.parse)."""
+    if args.layers is not None and args.layers < args.world_size:
+        raise ValueError(f"--layers {args.layers} < --world-size {args.world_size} stages: every stage needs at "
+                         "least one layer")
+    batch = args.batch or 2 * max(args.microbatches)
+    uneven = [m for m in args.microbatches if batch % m]
+    if uneven:
+        raise ValueError(f"a batch of {batch} rows does not split into {uneven} micro-batches of equal size: "
+                         "give --batch a multiple of every --microbatches count")
+
+
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=4, steps=3)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--op-ms", type=float, default=40.0, help="controlled cost of each forward and backward")
-    parser.add_argument("--batch", type=int, help="rows per step (default: 2 × the largest micro-batch count)")
+    parser.add_argument("--microbatches", type=integer(1), nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--op-ms", type=finite_number(above=0), default=40.0,
+                        help="controlled cost of each forward and backward, ms")
+    parser.add_argument("--batch", type=integer(1), help="rows per step (default: 2 × the largest micro-batch count)")
     parser.add_argument("--real", action="store_true", help="also run each step with real compute (its time)")
     parser.set_defaults(seq_len=8)
-    args = parse(parser, argv)
+    args = parse(parser, argv, check=check_arguments)
     p, batch = args.world_size, args.batch or 2 * max(args.microbatches)
     overrides = {**model_overrides(args), "num_layers": args.layers or max(4, p)}   # a layer per stage at least
     runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.microbatches]

@@ -36,11 +36,12 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
+from course_lib.arguments import integer
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, count_params, loss_fn, preset
 from course_lib.runs.tensor_parallel import step_seconds
-from course_lib.tensor_parallel import apply_tp, tp_step_traffic
+from course_lib.tensor_parallel import apply_tp, check_tp_divisible, tp_step_traffic
 
 
 def train_losses(model, data, steps, batch_size, lr, comm=None, dtype="fp32"):
@@ -112,8 +113,9 @@ def predicted_traffic(config, batch_size: int, seq_len: int, tp: int, dtype: str
 
 def main(argv=None):
     parser = lab_parser(__doc__)
-    parser.add_argument("--batch-size", type=int, default=8)
-    args = parse(parser, argv)
+    parser.add_argument("--batch-size", type=integer(1), default=8)
+    args = parse(parser, argv, check=lambda args: check_tp_divisible(preset("tiny", **model_overrides(args)),
+                                                                      args.world_size))
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison

@@ -24,6 +24,7 @@ import torch
 
 from common import lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
+from course_lib.arguments import integer
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, count_params, preset
 from course_lib.runs.zero import train
@@ -46,8 +47,8 @@ def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
 
 
 def main(argv=None):
-    parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3, autocast=False)
-    parser.add_argument("--per-rank-batch", type=int, default=4)
+    parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3, autocast=False, min_steps=2)  # median after step 1
+    parser.add_argument("--per-rank-batch", type=integer(1), default=4)
     parser.set_defaults(dtype="bf16")                 # recorded with the results: bf16 weights and gradients
     args = parse(parser, argv)
     overrides = model_overrides(args)

@@ -114,3 +114,25 @@ def wait_for_pids(kc, msg_id, count, timeout=30):
         if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id:
             pids |= {int(w) for w in msg["content"]["text"].split() if w.isdigit() and int(w) > 100}
     return pids
+
+
+def processes_of_session(session: int) -> list[int]:
+    """Running processes of the session ``session`` (the process started with start_new_session=True and all
+    it started, whichever process group each moved to and whoever its parent is now)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session and _running(process):
+                found.append(process.pid)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+    return found
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL to whatever is left of a session (a failed test must not leave it running)."""
+    for pid in processes_of_session(session):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass

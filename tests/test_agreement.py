@@ -2,7 +2,7 @@
 (on torch's fake group, meta tensors) and what it measures equals what the planner (layouts), the cost model's
 traffic formula (tensor_parallel.tp_step_traffic, which cost.step_time charges) and per_rank say, exactly.
 
-Axes: dp with ZeRO 0-3, tp, sp, pp (1F1B and GPipe), cp, ep (a mixture of experts), hsdp. The tiny model (4
+Axes: dp with ZeRO 0-3, tp, sp, pp (1F1B, GPipe, interleaved over v chunks), cp, ep (a mixture of experts), hsdp. The tiny model (4
 layers, hidden 64), 16 tokens, 2 micro-batches: each world takes a second or two. Where the course code does not
 run a thing (ep's data-parallel average over two groups) the virtual cluster says it computed it, and that number
 is held to the others only through per_rank."""
@@ -13,8 +13,7 @@ import torch
 from course_lib.layouts import state_per_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import preset
-from course_lib.per_rank import activation_bytes_per_rank, data_parallel_state_bytes, params_per_rank
-from course_lib.pipeline_parallel import partition_layers
+from course_lib.per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layers_per_rank, params_per_rank
 from course_lib.tensor_parallel import tp_step_traffic
 from course_lib.virtual import run_rank
 
@@ -31,6 +30,8 @@ WORLDS = [
     ("tp2 sp", TINY, Mesh(tp=2, dp=2), 1, {"sequence_parallel": True}),
     ("pp2 1f1b", TINY, Mesh(pp=2, dp=2), 1, {}),
     ("pp2 gpipe", TINY, Mesh(pp=2), 0, {"schedule": "gpipe"}),
+    ("pp2 v2 tp2", TINY, Mesh(pp=2, tp=2, dp=2), 1, {"schedule": "interleaved", "num_chunks": 2}),
+    ("pp2 v2 zero3", preset("tiny", num_layers=8), Mesh(pp=2, dp=2), 3, {"schedule": "interleaved", "num_chunks": 2}),
     ("cp2", TINY, Mesh(cp=2, dp=2), 1, {}),
     ("cp2 tp2 pp2", TINY, Mesh(cp=2, tp=2, pp=2), 3, {}),
     ("ep2", MOE, Mesh(dp=2, ep=2), 1, {}),
@@ -59,12 +60,15 @@ def test_virtual_measurement_planner_and_cost_formulas_agree(name, config, mesh,
             assert run["activation_bytes_peak"] == formula["activation_bytes_peak"], name
         measured = [item for item in run["measured"] if item.startswith("sent_bytes")]
         assert measured and run["computed"] in ([], ["state_bytes", "sent_bytes.dp"]), name
-        # the planner: its state per GPU (mixed convention: 2 + 2 + 12 bytes) and its activation peak
+        # the planner: its state per GPU (mixed convention: 2 + 2 + 12 bytes) and its activation peak (the
+        # planner knows no interleaving: per_rank's formulas take the chunks)
+        v = options.get("num_chunks", 1)
         vocab_parallel = options.get("vocab_parallel", False)
-        assert state_per_gpu(config, mesh, zero_stage, "mixed", stage, vocab_parallel) == run["state_bytes"], name
-        assert run["state_bytes"] == data_parallel_state_bytes(config, mesh, stage, zero_stage,
+        assert run["state_bytes"] == data_parallel_state_bytes(config, mesh, stage, zero_stage, num_chunks=v,
                                                                vocab_parallel=vocab_parallel), name
-        if not config.num_experts:
+        if v == 1:
+            assert state_per_gpu(config, mesh, zero_stage, "mixed", stage, vocab_parallel) == run["state_bytes"], name
+        if not config.num_experts and v == 1:
             planned = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=1, seq_len=SEQ,
                                                 num_microbatches=M, schedule=options.get("schedule", "1f1b"),
                                                 dtype=torch.bfloat16,
@@ -73,13 +77,13 @@ def test_virtual_measurement_planner_and_cost_formulas_agree(name, config, mesh,
                                                 vocab_parallel=vocab_parallel)
             assert run["activation_bytes_peak"] == planned["peak"], name
         # the cost model's TP traffic (what step_time charges per micro-batch), times the micro-batches
-        layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+        layers = layers_per_rank(config, mesh, stage, v)
         if mesh.tp > 1 and not options.get("sequence_parallel") and not vocab_parallel:
             traffic = tp_step_traffic(config, 1, SEQ // mesh.cp, mesh.tp, e, num_layers=layers)
             assert run["sent_bytes"]["tp"] == M * traffic["wire_bytes_per_rank"], name
         # and below ZeRO-3 the weights it holds are params_per_rank's, whatever the axes
         if zero_stage < 3:
-            assert run["state_bytes"]["weights"] == e * params_per_rank(config, mesh, stage, vocab_parallel), name
+            assert run["state_bytes"]["weights"] == e * params_per_rank(config, mesh, stage, v, vocab_parallel), name
 
 
 def test_every_axis_is_in_some_world():
@@ -87,7 +91,7 @@ def test_every_axis_is_in_some_world():
     for name, config, mesh, zero_stage, options in WORLDS:
         used |= {axis for axis in ("dp", "tp", "pp", "cp", "ep") if getattr(mesh, axis) > 1}
         used |= {f"zero{zero_stage}"} | ({"hsdp"} if mesh.dp_replicate > 1 else set())
-        used |= {key for key in ("sequence_parallel", "vocab_parallel") if options.get(key)}
+        used |= {key for key in ("sequence_parallel", "num_chunks", "vocab_parallel") if options.get(key)}
         used |= {options.get("schedule", "1f1b"), options.get("recompute", "selective")}
     assert used >= {"dp", "tp", "pp", "cp", "ep", "hsdp", "zero0", "zero1", "zero2", "zero3", "sequence_parallel",
-                    "vocab_parallel", "1f1b", "gpipe", "selective", "full"}
+                    "1f1b", "gpipe", "interleaved", "num_chunks", "vocab_parallel", "selective", "full"}

@@ -12,7 +12,12 @@ from course_lib.hsdp import hsdp_wire_bytes_per_step
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.parallelize import Parallelism
-from course_lib.per_rank import data_parallel_bytes_per_step, data_parallel_state_bytes, params_per_rank
+from course_lib.per_rank import (
+    data_parallel_bytes_per_step,
+    data_parallel_state_bytes,
+    data_parallel_traffic,
+    params_per_rank,
+)
 from course_lib.runs.mesh import global_losses, max_parameter_gap, train_3d, train_torch_hsdp
 from course_lib.train import reference_run
 from course_lib.virtual import fake_world, run_rank
@@ -61,6 +66,13 @@ def test_the_formula_is_zero3_inside_and_an_all_reduce_of_a_shard_across():
     assert ops == {**zero3, "all_reduce": 2 * (2 - 1) / 2 * psi / 4}
     assert hsdp_wire_bytes_per_step(psi, 8, 1) == {**wire_bytes_per_step(psi, 3, 8), "all_reduce": 0}
     assert hsdp_wire_bytes_per_step(psi, 1, 8)["all_reduce"] == wire_bytes("all_reduce", psi, 8)   # S = 1: DDP
+    # per group, with the consecutive ranks each spans (what a cost model needs to pick its link)
+    mesh = Mesh.hybrid(dp_shard=4, dp_replicate=2, tp=2)                   # a replica: 4 × tp 2 = 8 ranks, a node
+    params = params_per_rank(TINY, mesh, 0)
+    inside, across = data_parallel_traffic(TINY, mesh, 0, 3, grad_bytes=2, accumulation_steps=3)
+    assert (inside["group"], inside["size"], inside["span"]) == ("dp_shard_cp", 4, 8)
+    assert (across["group"], across["size"], across["span"]) == ("dp_replicate", 2, 16)
+    assert {**inside["ops"], **across["ops"]} == hsdp_wire_bytes_per_step(2 * params, 4, 2, accumulation_steps=3)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,9 @@
 import importlib.util
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -85,6 +88,67 @@ def test_every_lab_stops_before_any_rank_starts(monkeypatch, capsys, name):
             in capsys.readouterr().err)
 
 
+BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
+    ("training_step", "--world-size 0", "argument --world-size: 0 is below 1: it must be at least 1"),
+    ("training_step", "--world-size -2", "argument --world-size: -2 is below 1: it must be at least 1"),
+    ("training_step", "--world-size 1000", "world_size=1000 is more than this machine can run"),
+    ("training_step", "--hidden -5", "argument --hidden: -5 is below 16: it must be at least 16"),
+    ("training_step", "--hidden 0", "argument --hidden: 0 is below 16: it must be at least 16"),
+    ("training_step", "--hidden 7", "argument --hidden: 7 is below 16: it must be at least 16"),
+    ("training_step", "--hidden 24", "argument --hidden: 24 is not a multiple of 16"),
+    ("training_step", "--layers 0", "argument --layers: 0 is below 1: it must be at least 1"),
+    ("training_step", "--seq-len 0", "argument --seq-len: 0 is below 1: it must be at least 1"),
+    ("training_step", "--steps 0", "argument --steps: 0 is below 1: it must be at least 1"),
+    ("training_step", "--lr nan", "argument --lr: nan is not a finite number"),
+    ("training_step", "--lr -1", "argument --lr: -1 must be more than 0"),
+    ("training_step", "--global-batch 15", "--global-batch 15 is not divisible by --world-size 2"),
+    ("training_step", "--out /etc/passwd", "argument --out: /etc/passwd is a file, not a folder"),
+    ("training_step", "--out /proc/no/such/folder", "argument --out: cannot write into /proc/no/such/folder"),
+    ("ddp", "--steps 1", "argument --steps: 1 is below 2: it must be at least 2"),
+    ("ddp", "--bucket-mb 0", "argument --bucket-mb: 0 must be more than 0"),
+    ("zero", "--per-rank-batch 0", "argument --per-rank-batch: 0 is below 1: it must be at least 1"),
+    ("tensor_parallel", "--batch-size 0", "argument --batch-size: 0 is below 1: it must be at least 1"),
+    ("tensor_parallel", "--world-size 3", "(num_heads) cannot split over TP=3"),
+    ("pipeline_parallel", "--op-ms -5", "argument --op-ms: -5 must be more than 0"),
+    ("pipeline_parallel", "--microbatches 4 0", "argument --microbatches: 0 is below 1: it must be at least 1"),
+    ("pipeline_parallel", "--world-size 4 --layers 2", "--layers 2 < --world-size 4 stages"),
+    ("pipeline_parallel", "--batch 6 --microbatches 4", "a batch of 6 rows does not split into [4] micro-batches"),
+    ("parallel_3d", "--tp 0", "argument --tp: 0 is below 1: it must be at least 1"),
+    ("parallel_3d", "--microbatches 0", "argument --microbatches: 0 is below 1: it must be at least 1"),
+    ("parallel_3d", "--tp 1 --pp 8 --layers 4", "pp 8 stages > 4 layers"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", BAD_ARGUMENTS)
+def test_a_bad_argument_stops_the_lab_with_one_line_before_any_rank_starts(monkeypatch, capsys, name, argv, message):
+    gpus(monkeypatch, 0)
+    lab = load_lab(name)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(lab, "launch", no_launch)
+    with pytest.raises(SystemExit) as stopped:
+        lab.main(argv.split())
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_no_notebook_runs_a_lab_that_writes_into_labs_results():
+    """Only a lab run by a person writes labs/results/ (the instructor's GPU results live there): a notebook that
+    runs a lab gives it a temporary --out."""
+    import nbformat
+
+    runs = 0
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code" and re.search(r"labs/\w+\.py", cell.source) and "subprocess" in cell.source:
+                runs += 1
+                assert re.search(r'"--out",\s*\w', cell.source), f"{path.name}: a lab run without --out"
+    assert runs >= 1   # notebook 00 runs labs/training_step.py under torchrun
+
+
 @pytest.mark.parametrize("count, argv, backend, dtype", [
     (8, [], "nccl", "bf16"),                     # a GPU box: NCCL, matmuls in bf16 as GPU training runs them
     (8, ["--dtype", "fp32"], "nccl", "fp32"),
@@ -117,7 +181,7 @@ def test_a_lab_on_gloo_says_where_it_ran(tmp_path):
     record = run_lab("training_step", "--world-size", "2", "--steps", "2", out=tmp_path)
     assert {k: record[k] for k in ("backend", "device", "dtype", "world_size")} == \
         {"backend": "gloo", "device": "cpu", "dtype": "fp32", "world_size": 2}
-    assert record["machine"] == common.machine("gloo", 2)
+    assert record["machine"] == common.machine("gloo", 2) and record["nodes"] == [socket.gethostname()]
     assert record["max_memory_allocated"] == [None, None]                  # no GPU: nothing measured
     assert record["predicted_state_bytes"] == [16 * record["params"]] * 2  # fp32 Adam: 4 + 4 + 8 bytes
     assert record["replica_spread"] == 0.0
@@ -135,3 +199,14 @@ def test_tensor_parallel_under_bf16_autocast_sends_what_the_formula_says(tmp_pat
     assert record["predicted"]["backward_payload_bytes_each"] == batch * seq * hidden * 4
     assert record["payload_bytes_per_step"] == 8 * record["config"]["num_layers"] * batch * seq * hidden * 3 // 2
     assert "older version" not in describe("tensor_parallel", tmp_path)
+
+
+def test_the_slurm_example_gives_each_task_its_cpus_and_a_port_of_its_own():
+    script = (REPO / "labs" / "slurm_example.sbatch").read_text()
+    assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in script   # srun does not inherit it since 22.05
+    assert "SLURM_JOB_ID %" in script and ":29500" not in script        # a port per job, not a fixed one
+    assert "NCCL_SOCKET_IFNAME" in script and "GLOO_SOCKET_IFNAME" in script
+    if shutil.which("shellcheck"):                                      # apt-get install shellcheck
+        checked = subprocess.run(["shellcheck", str(REPO / "labs" / "slurm_example.sbatch")], capture_output=True,
+                                 text=True)
+        assert checked.returncode == 0, checked.stdout

@@ -123,12 +123,42 @@ def test_launch_works_again_after_failures():
     assert launch(rank_sum, 2) == [(0, 2, 1.0), (1, 2, 1.0)]
 
 
-def test_an_unpicklable_result_is_an_error_naming_the_rank():
+def test_an_unpicklable_result_is_an_error_naming_the_rank_and_what_could_not_be_sent():
     import threading
 
-    with pytest.raises(RankError, match="rank 0") as info:
+    with pytest.raises(RankError) as info:
         launch(lambda rank, world_size: threading.Lock() if rank == 0 else 1, 2)
-    assert "pickle" in str(info.value)
+    assert info.value.rank == 0
+    assert info.value.summary.startswith("UnsendableResult: rank 0 returned a lock that could not be sent back to "
+                                         "the notebook (TypeError: cannot pickle '_thread.lock' object)")
+    assert "cloudpickle" not in str(info.value), str(info.value)   # none of the pickler's frames
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), "10"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_before_any_rank_starts(bad):
+    with pytest.raises(ValueError, match=f"timeout={bad!r} must be a finite number > 0"):
+        launch(rank_sum, 2, timeout=bad)
+
+
+def start_a_sleep(rank, world_size, folder, fail):
+    """Starts `sleep 300` (it joins this rank's process group), notes its pid, then returns or fails."""
+    child = subprocess.Popen(["sleep", "300"])
+    (folder / str(child.pid)).touch()
+    if fail and rank == 1:
+        raise ValueError("rank 1 fails after starting a sleep")
+    return child.pid
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_what_a_rank_started_is_stopped_with_it_on_success_and_on_failure(tmp_path, fail):
+    if fail:
+        with pytest.raises(RankError, match="rank 1 fails"):
+            launch(start_a_sleep, 2, folder=tmp_path, fail=True)
+    else:
+        launch(start_a_sleep, 2, folder=tmp_path, fail=False)
+    sleeps = [int(path.name) for path in tmp_path.iterdir()]
+    assert len(sleeps) >= 1 + (not fail)   # with a failure, rank 0 may be stopped before it started its sleep
+    assert gone(sleeps, within=5), "a rank's `sleep 300` outlived it"
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "4", True])
@@ -169,9 +199,15 @@ class RankOneAstray(WorkerGroup):
     nobody_listens_here = 0          # set by the test
     started: list[int] = []          # the process ids, to check that none is left
 
-    def _start_rank(self, ctx, rank, store_port, *args):
-        super()._start_rank(ctx, rank, self.nobody_listens_here if rank == 1 else store_port, *args)
-        self.started.append(self.procs[-1].pid)
+    def _start_rank(self, rank, generation=0):
+        store_port = self.store_port
+        if rank == 1:
+            self.store_port = self.nobody_listens_here
+        try:
+            super()._start_rank(rank, generation)
+        finally:
+            self.store_port = store_port
+        self.started.append(self.procs[rank].pid)
 
 
 def test_a_group_that_does_not_form_is_reported_as_that_with_the_ranks_that_never_joined(capsys):
@@ -298,3 +334,45 @@ def test_killing_the_kernel_takes_the_workers_with_it(kernel):
     assert len(pids) == 3
     km.shutdown_kernel(now=True)  # SIGKILL: no Python cleanup runs in the kernel
     assert gone(pids), "workers outlived their kernel"
+
+
+NODE = """
+import sys
+import torch.distributed as dist
+from course_lib import launch
+from course_lib.launch import nodes
+print(launch(lambda rank, world_size: dist.get_world_size(), 2), nodes())
+"""
+
+
+def test_nodes_started_with_different_arguments_are_named_before_any_work(tmp_path):
+    """Two "nodes" (one rank each, as torchrun starts them: RANK, WORLD_SIZE, MASTER_ADDR/PORT set) with
+    different arguments stop at once, each naming the rank and machine that differ, instead of hanging in a
+    collective until the group's timeout; with the same arguments they run and name their machine."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE)
+
+    def start(rank, port, *argv):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+        return subprocess.Popen([sys.executable, str(script), *argv], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    port = free_port()
+    nodes = [start(0, port, "--hidden", "1024"), start(1, port, "--hidden", "2048")]
+    outputs = [node.communicate(timeout=90) for node in nodes]
+    host = socket.gethostname()
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode != 0
+        assert (f"ValueError: ranks [1] (on {host}) were started with the arguments ['--hidden', '2048'], rank 0 "
+                f"(on {host}) with ['--hidden', '1024']: run the same command on every node") in err, err[-2000:]
+    port = free_port()
+    nodes = [start(0, port, "--hidden", "1024"), start(1, port, "--hidden", "1024")]
+    for node in nodes:
+        out, err = node.communicate(timeout=90)
+        assert node.returncode == 0 and out.strip() == f"[2, 2] ['{host}']", err[-2000:]
