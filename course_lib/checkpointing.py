@@ -126,9 +126,9 @@ class RecomputeMeter:
 def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
     """Checkpoint ``model``'s blocks ("full") or each block's attention core ("selective"), in place; "none"
     changes nothing. Works on the whole model, a pipeline stage (its nn.Identity layers are skipped) or a
-    ModuleList of stage chunks, after apply_tp (with or without SP) and apply_context_parallel ("full" only:
-    ring attention's own Function keeps q, k, v, its output and log-sum-exp, and rerunning it would rerun the
-    ring). Returns the model; ``model.recompute`` records the policy."""
+    ModuleList of stage chunks, after apply_tp (with or without SP) and apply_context_parallel ("selective" leaves
+    ring attention as it is: its own Function keeps only q, k, v, its output and log-sum-exp, and rerunning it
+    would rerun the ring). Returns the model; ``model.recompute`` records the policy."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
     chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
@@ -140,12 +140,9 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
                 continue
             if policy == "full":
                 layer.forward = _Checkpointed(layer.forward)   # an instance attribute: the module's hooks stay
-            elif policy == "selective":
-                if not hasattr(layer.attn, "core"):
-                    raise ValueError(f"recompute='selective' needs an attention with a separate core (model."
-                                     f"Attention.core); {type(layer.attn).__name__} has none (context parallelism's "
-                                     "ring attention keeps only q, k, v, its output and log-sum-exp already): "
-                                     "use 'full'")
+            elif policy == "selective" and hasattr(layer.attn, "core"):
+                # (context parallelism's ring attention has no separate core: its Function keeps only q, k, v, its
+                # output and log-sum-exp already, and rerunning it would rerun the ring: left as it is)
                 layer.attn.core = _Checkpointed(layer.attn.core)
         chunk.recompute = policy
     return model

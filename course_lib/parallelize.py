@@ -104,9 +104,6 @@ class Parallelism:
                          "seq_len/tp tokens")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             found.append(f"activation_checkpointing={self.activation_checkpointing!r}: one of None, selective, full")
-        elif self.activation_checkpointing == "selective" and mesh.cp > 1:
-            found.append(f"activation_checkpointing='selective' with cp {mesh.cp}: ring attention keeps only q, k, v, "
-                         "its output and log-sum-exp already, and rerunning it would rerun the ring: use 'full'")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             found.append(f"num_chunks={self.num_chunks!r} must be a whole number >= 1")
         elif self.num_chunks > 1 and mesh.pp * self.num_chunks > config.num_layers:

@@ -265,8 +265,8 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     edges = (embed if stage == 0 else 0) + (whole["norm"] + whole["head"] + loss if stage == mesh.pp - 1 else 0)
     in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
     per_microbatch = num_layers * sum(terms.values()) + edges
-    rerun = recomputed_layer_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute,
-                                   fused_norm=fused_norm)
+    rerun = 0 if mesh.cp > 1 and recompute == "selective" else recomputed_layer_bytes(   # (ring: no rerun)
+        config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute, fused_norm=fused_norm)
     if mesh.cp > 1 and recompute == "full":     # the rerun layer's attention is ring attention's
         layer = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, fused_norm=fused_norm)
         layer.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))

@@ -30,10 +30,10 @@ def test_the_options_name_every_rule_they_break_in_one_error():
         options.check(TINY, Mesh(dp=4, cp=2, pp=2, dp_replicate=2), batch_size=8, seq_len=16)
     message = str(error.value)
     for rule in ("dp_replicate 2 with zero_stage=1", "sequence_parallel with cp 2",
-                 "activation_checkpointing='selective' with cp 2", "pp 2 × num_chunks 3 = 6 virtual stages > 4 layers",
+                 "pp 2 × num_chunks 3 = 6 virtual stages > 4 layers",
                  "is not divisible by num_microbatches=3"):
         assert rule in message, rule
-    assert message.count("; ") >= 4
+    assert message.count("; ") >= 3
     Parallelism().check(TINY, Mesh(dp=2, tp=2, pp=2), batch_size=8, seq_len=16)     # a good layout: no error
     with pytest.raises(ValueError, match=r"activation_checkpointing='some': one of None, selective, full"):
         Parallelism(activation_checkpointing="some").check(TINY, Mesh())
