@@ -23,7 +23,11 @@ out 2·heads·head_dim: with grouped-query attention (kv_heads < heads) K/V are 
 unrepeated K/V are what is sent (each rank repeats them for its query heads locally). A step hides its
 message when computing on the block takes longer than sending it; with local length c = S/cp, e bytes per
 element, F flop/s and β bytes/s per link: 4·heads·c²·d / F ≥ 2·kv_heads·c·d·e / β, so c ≥ e·F·kv/(2·β·heads)
-(bf16 at ~1e15 flop/s, kv = heads: c ≥ 1e15/β: ~2,200 tokens over 450 GB/s NVLink, 20,000 over 50 GB/s IB).
+for full blocks (:func:`hop_hiding_tokens`). bf16 at ~1e15 flop/s with kv = heads: c ≥ 1e15/β, ~2,200 tokens
+over 450 GB/s NVLink, 20,000 over 50 GB/s IB. Grouped-query attention divides it by heads/kv (8:1: ~280 and
+2,500), and the balanced causal layout computes about half of each step's block pairs, which doubles it. The
+course posts each hop before the block's computation and waits after it, which is what lets a GPU overlap
+them; it does not measure the overlap (on shared CPU cores the send and the matmuls compete for the cores).
 
 **Causal masking, block by block.** Cut the sequence into chunks; query chunk i against key chunk j is full
 (j < i), diagonal-causal (j = i: the lower triangle) or skipped (j > i: all masked). With plain contiguous
@@ -55,11 +59,19 @@ accumulate in float32 or wider). One K/V block is 2·b·kv·(S/cp)·d values:
 the ring does not save bytes, it saves memory and overlaps them with compute. **Saved for backward per
 rank**: Q, K, V, O (S/cp tokens each) and L: exactly 1/cp of one process's (:func:`ring_attention_activation_bytes`).
 
-**torch's own.** In torch 2.13 on CPU, ``torch.distributed.tensor.experimental.context_parallel`` runs only
-the non-causal forward, and not as a ring (DTensor all-gathers K and V around the CPU attention kernel):
-its ring handlers cover only the CUDA kernels, so a causal call, or any backward, raises "NotImplementedError:
-Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered." (``..._for_cpu_backward.default`` for the backward; tests/test_context_parallel.py checks both).
+**torch's own.** ``torch.distributed.tensor.experimental.context_parallel`` in torch 2.13 has two ways to
+move K and V (``_ContextParallelOptions.rotate_method``, chosen by ``set_rotate_method``): **"allgather"**, the
+default on every device, all-gathers every rank's K/V once and reads block r - t from it at step t (all cp
+blocks held at once, one collective, overlapped with the first block's computation); **"alltoall"**, the
+opt-in ring, sends one block a hop per step (``permute_tensor``, an all_to_all_single: one block held). Llama
+3's context parallelism is all-gather based too (Llama 3 paper, 3.3.2): with grouped-query attention (8 K/V
+heads for 64 query heads) K and V are small beside attention's computation, so one exposed all-gather costs
+little, and any attention mask (document masks included) is easy on the whole K/V. The ring wins when the
+gathered K/V would not fit, or K/V are large (kv = heads) and the hops must hide behind blocks. Either runs its attention blocks only through the CUDA kernels' handlers: on CPU
+the non-causal forward runs through DTensor's generic rules (K and V all-gathered whole), and a causal call,
+or any backward, raises "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+does not have a sharding strategy registered." (``..._for_cpu_backward.default`` for the backward;
+tests/test_context_parallel.py checks both).
 """
 
 from __future__ import annotations
@@ -290,6 +302,14 @@ def ring_attention_bytes(batch: int, kv_heads: int, seq_len: int, head_dim: int,
     return {"forward": forward, "backward": backward}
 
 
+def hop_hiding_tokens(heads: int, kv_heads: int, bytes_per_value: int, flops_per_s: float, link_bytes_per_s: float,
+                      causal: bool = False) -> int:
+    """The fewest tokens per rank c at which computing a K/V block takes as long as sending it (the docstring):
+    c = e·F·kv/(2·β·heads) for full blocks; twice that under the balanced causal layout (half the pairs)."""
+    tokens = bytes_per_value * flops_per_s * kv_heads / (2 * link_bytes_per_s * heads)
+    return math.ceil(2 * tokens if causal else tokens)
+
+
 def ring_attention_activation_bytes(batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
                                     cp: int, dtype=torch.float32) -> int:
     """Bytes ring attention saves for backward on one rank: Q, O (heads), K, V (kv_heads) and the log-sum-exp."""
@@ -346,10 +366,25 @@ def apply_context_parallel(model: nn.Module, comm: Comm, load_balanced: bool = T
 
 
 def all_reduce_gradients(model: nn.Module, comm: Comm) -> None:
-    """Average the gradients over the CP group. Each rank's loss is the mean over its own S/cp tokens, and
-    its gradient only that part's: the mean of the ranks' gradients is the whole sequence's (as DDP's is the
-    whole batch's; with DP × CP this all-reduce spans both)."""
+    """Average the gradients over the CP group. Each rank's loss is the mean over its own S/cp tokens: the mean
+    of the ranks' gradients is the whole sequence's (as DDP's is the whole batch's; with DP × CP this
+    all-reduce spans both) when every rank has as many loss tokens; else scale each loss by
+    :func:`loss_scale` before backward."""
     for param in model.parameters():
         if param.grad is not None:
             comm.all_reduce(param.grad)
             param.grad /= comm.size
+
+
+def loss_scale(loss_tokens: int, comm: Comm) -> float:
+    """cp·n_r/Σn: what to multiply this rank's mean loss by, before backward, when the ranks hold different
+    numbers n_r of loss tokens (padding, ``ignore_index``). The mean of the ranks' means is then Σ n_r·mean_r/Σ n,
+    the sequence's mean, and all_reduce_gradients averages the right gradients. Scale the loss, not the
+    gradients after backward: the ring's backward sends dK and dV home, so a rank's gradients already hold
+    terms of the other ranks' losses, each at that loss's own scale. One all-reduce, of a number."""
+    total = torch.tensor(float(loss_tokens), dtype=torch.float64)
+    comm.all_reduce(total)
+    if total.item() <= 0:
+        raise ValueError(f"loss_tokens={loss_tokens}: the CP group has {total.item():.0f} loss tokens in all, and "
+                         "a mean needs at least one")
+    return comm.size * loss_tokens / total.item()

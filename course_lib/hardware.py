@@ -1,8 +1,9 @@
 """A small catalogue of GPUs and the links between them, each figure with its source.
 
-Every number here is a spec-sheet figure, not a measurement: what the vendor promises. Real runs reach less
-(a large bf16 matmul gets ~70-90% of the dense peak; nccl-tests' bus bandwidth ~75-90% of a link's rate),
-which is why course_lib.cost multiplies the peak by an assumed efficiency instead of using it as it is.
+Every number in the first table is a spec-sheet figure, not a measurement: what the vendor promises. Real
+kernels reach less: a matmul reaches a share of the dense peak that depends on its shape (the curve below,
+from published GEMM benchmarks), FlashAttention a smaller one, and nccl-tests' bus bandwidth ~75-90% of a
+link's rate. course_lib.operations times every operation of a step with these.
 
     GPU          dense bf16 peak   memory    HBM bandwidth   NVLink per GPU, each way   network per GPU
     A100 40GB      312 TFLOP/s     40 GiB     1,555 GB/s      300 GB/s (NVLink 3)       200 Gb/s HDR IB
@@ -26,6 +27,7 @@ the "GB" of the GPU names are GiB. (The H100's driver shows a little less, 81,55
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .comm import CostModel
@@ -65,6 +67,8 @@ class GPU:
     nvlink: Link              # to the other GPUs of its node
     network: Link             # to GPUs in other nodes (its own NIC)
     source: str
+    matmul_share: float = 0.8        # share of the peak a large bf16 GEMM reaches (GEMM_SOURCES)
+    attention_share: float = 0.55    # share of the peak FlashAttention reaches, forward + backward (GEMM_SOURCES)
 
     @property
     def ridge_point(self) -> float:
@@ -89,17 +93,22 @@ LINKS = {
                        "paper section 3.3.1: 400 Gbps between GPUs, RoCE and InfiniBand alike)"),
 }
 
+# Shares of the dense peak (GEMM_SOURCES below): a large bf16 GEMM, and FlashAttention-2 forward + backward.
+# The H200 is an H100 with more and faster HBM: the same Tensor Cores and clocks, so the same shares.
+A100_MATMUL_SHARE, A100_ATTENTION_SHARE = 0.75, 0.55
+H100_MATMUL_SHARE, H100_ATTENTION_SHARE = 0.67, 0.35
+
 GPUS = {
     "A100 40GB": GPU("A100 40GB (SXM)", 312 * TERA, 40 * GiB, 1555 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
-                     A100_DATASHEET),
+                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE),
     "A100 80GB": GPU("A100 80GB (SXM)", 312 * TERA, 80 * GiB, 2039 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
-                     A100_DATASHEET),
+                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE),
     "H100 SXM": GPU("H100 SXM 80GB", 989 * TERA, 80 * GiB, 3350 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
-                    H100_DATASHEET),
+                    H100_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE),
     # The datasheet's "141GB" is read as GiB like the other names; nvidia-smi is reported to show 143,771 MiB
     # (140.4 GiB) on an H200: not checked here.
     "H200 SXM": GPU("H200 SXM 141GB", 989 * TERA, 141 * GiB, 4800 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
-                    H200_DATASHEET),
+                    H200_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE),
 }
 
 
@@ -111,3 +120,43 @@ def find_gpu(name_or_gpu) -> GPU:
         raise ValueError(f"unknown GPU {name_or_gpu!r}; the catalogue has {', '.join(GPUS)} "
                          "(or pass a hardware.GPU of your own)")
     return GPUS[name_or_gpu]
+
+
+# ----------------------------------------------------------------------------- what kernels reach
+#
+# A matmul [M, K] × [K, N] runs at  rate = matmul_share · peak · f(M) · f(N) · f(K),  f(x) = x / (x + x_half):
+# a large GEMM reaches matmul_share of the peak; a dimension of x_half elements halves that (the tile edge of
+# cuBLAS's large Tensor Core kernels is 128 or 256: a dimension smaller than a tile leaves most of each tile, and
+# with it of each SM, idle), 4·x_half costs a fifth, 16·x_half 6%. The curve is a stated smoothing of published
+# benchmark figures (GEMM_SOURCES), not a measurement here: it ignores wave quantization (a last partial wave of
+# tiles) and alignment, which make real curves saw-toothed by up to ~10% around it.
+MATMUL_HALF_DIM = 128
+# A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
+# A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
+HBM_SHARE = 0.85
+# A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
+# this). Each operation of course_lib.operations takes at least  kernels × KERNEL_LAUNCH_S.
+KERNEL_LAUNCH_S = 5e-6
+GEMM_SOURCES = (
+    "large bf16 GEMMs: cuBLAS reaches ~70-85% of the A100's 312 TFLOP/s (NVIDIA's 'Matrix Multiplication "
+    "Background User's Guide', docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication; "
+    "Anthony et al. 2024, 'The Case for Co-Designing Model Architectures with Hardware', arXiv:2401.14489: GEMM "
+    "throughput against the hidden size, low for small and unaligned dimensions) and ~65-75% of the H100 SXM's 989 "
+    "(NVIDIA's blog 'New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs', 2023: "
+    "about 3x the A100 for large BF16 GEMMs, under the 3.2x of the peaks); FlashAttention-2 forward + backward "
+    "reaches 50-73% of the A100's peak (Dao 2023, arXiv:2307.08691) and ~35% of the H100's (Shah et al. 2024, "
+    "FlashAttention-3, arXiv:2407.08608, which lifts it to 75%). The shares used, 0.75 (A100) and 0.67 (H100), sit "
+    "in those ranges, nearer their low ends: sustained training runs at lower clocks than a short benchmark. They "
+    "were checked against the published runs of course_lib.published, not set per run")
+
+
+def dimension_factor(x: float) -> float:
+    """f(x) = x / (x + MATMUL_HALF_DIM): the share of a large GEMM's rate left by one dimension of size x."""
+    return x / (x + MATMUL_HALF_DIM)
+
+
+def matmul_rate(gpu: GPU, m: float, n: float, k: float) -> float:
+    """FLOP/s a [m, k] × [k, n] matmul reaches on ``gpu``: matmul_share · peak · f(m)·f(n)·f(k) (see above)."""
+    if min(m, n, k) <= 0 or not all(map(math.isfinite, (m, n, k))):
+        raise ValueError(f"matmul shape m={m}, n={n}, k={k}: every dimension must be > 0")
+    return gpu.matmul_share * gpu.peak_flops * dimension_factor(m) * dimension_factor(n) * dimension_factor(k)

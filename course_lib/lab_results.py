@@ -46,6 +46,9 @@ LABS = {
                              "a core"),
     "parallel_3d": Lab("python labs/parallel_3d.py --world-size 8 --tp 2 --pp 2",
                        "the same bytes per axis, timed over NVLink (tp) and between GPUs (pp, dp)"),
+    "checkpoint": Lab("python labs/checkpoint.py --world-size 4",
+                      "a rank killed under torchrun --max-restarts on NCCL, the job resumed and resharded from a "
+                      "checkpoint on real storage, equal to one process"),
 }
 
 

@@ -31,7 +31,9 @@ Load-balancing loss (Switch Transformer eq. 4, GShard): a router left alone send
 
 It is 1 when routing is even (f_i = P_i = 1/E) and grows as the router favours the experts it already fills.
 f counts (no gradient); the gradient flows through P and lowers the probability of busy experts. Training adds
-α·loss (α = 0.01 in Switch, 0.02 in Mixtral) to the language-model loss: ``total_aux_loss(model)``.
+α·loss (α = 0.01 in the Switch paper; 0.02 in Mixtral's released configuration, ``router_aux_loss_coef`` of
+its Hugging Face config.json, which the Mixtral paper does not state) to the language-model loss:
+``total_aux_loss(model)``.
 
 course_lib.model builds a block's MLP or MoE from here; spreading the experts over ranks (expert parallelism,
 all-to-all) is course_lib.experts's.

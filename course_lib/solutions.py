@@ -154,6 +154,22 @@ def lse_merge(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
 
 
+def global_norm(grads, is_split, tp_rank, comm):
+    """The reference answer to notebook 10's exercise: the global gradient norm over TP ranks.
+
+    Each rank adds the squares of the elements it counts: every split gradient (its slice is its own), a
+    replicated one only on tp rank 0 (every tp rank holds the same copy). One all-reduce sums the ranks' sums;
+    the square root of that is the norm of all the gradients, on every rank. In float64: a sum of many squares.
+    It is clip.global_norm in course_lib/clip.py, with who counts what decided here.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for name, grad in grads.items():
+        if is_split[name] or tp_rank == 0:
+            total += grad.double().pow(2).sum()
+    comm.all_reduce(total)
+    return total.sqrt()
+
+
 BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name>) → its reference answer
     "mean_over_ranks": mean_over_ranks,
     "mlp_saved_bytes": mlp_saved_bytes,
@@ -165,6 +181,7 @@ BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name
     "lse_merge": lse_merge,
     "expert_exchange": expert_exchange,
     "layout_at_scale": layout_at_scale,
+    "global_norm": global_norm,
 }
 
 

@@ -37,17 +37,17 @@ So num_heads, num_kv_heads and intermediate must all divide by p: 16 heads canno
 Norms, embedding and head stay whole on every rank (replicated; vocab_parallel=True splits the last two and
 the loss: course_lib.vocab_parallel); f and g make every replicated activation, and its gradient, whole.
 
-Sequence parallelism (序列并行, Korthikanti et al. 2022), ``apply_tp(model, comm, sequence_parallel=True)``.
-Plain TP keeps the residual stream whole between the matrices: every rank runs the same norms and saves the
-same activations. SP cuts that stream along the sequence (rank r keeps tokens [r·s/p, (r+1)·s/p)), and f and g
-change partner: before the column layers an all-gather (backward: reduce-scatter), after the row layers a
-reduce-scatter (backward: all-gather). An all-reduce *is* a reduce-scatter then an all-gather, (p-1)/p·n bytes
-each: the layers send exactly plain TP's bytes. Attention sees the whole gathered sequence: rotary positions
-stay global. New, and traced: (1) the first layer takes its slice and the last one's output is gathered whole
-(backward: all-gather, and keep the slice), so embedding, final norm, head and loss see whole activations: one
-all-gather each way per step; pipeline stages pass each other slices, s/p tokens; (2) a norm's weight meets
-only this rank's tokens, so its gradient is a sum over ranks: f on the weight (2 all-reduces of d values per
-layer). The column layers' gathered input stays whole (ledger.gpt_layer_activation_bytes says why).
+Sequence parallelism (序列并行, Korthikanti et al. 2022), ``apply_tp(model, comm, sequence_parallel=True)``. Plain TP keeps
+the residual stream whole between the matrices: every rank runs the same norms and saves the same activations. SP cuts
+that stream along the sequence (rank r keeps tokens [r·s/p, (r+1)·s/p)), and f and g change partner: before the column
+layers an all-gather (backward: reduce-scatter), after the row layers a reduce-scatter (backward: all-gather). An
+all-reduce *is* a reduce-scatter then an all-gather, (p-1)/p·n bytes each: the layers send exactly plain TP's bytes.
+Attention sees the whole gathered sequence: rotary positions stay global. New, and traced: (1) the first layer takes
+its slice and the last one's output is gathered whole (backward: all-gather, and keep the slice), so embedding, final
+norm, head and loss see whole activations: one all-gather each way per step; pipeline stages pass each other slices,
+s/p tokens; (2) a norm's weight meets only this rank's tokens, so its gradient is a sum over ranks: f on the weight, 2
+all-reduces of d values per layer in every backward (Megatron-LM: once per step, ``finalize_model_grads``; here
+gradients are whole when backward returns). Gathered inputs stay whole (ledger.gpt_layer_activation_bytes).
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def _context():
     """The forkserver context, with torch imported once in the server (set before it first starts)."""
     ctx = mp.get_context("forkserver")
     # torch._dynamo too: building any nn.Embedding imports it, ~2 s that every rank would pay again
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle", __name__,
+                                "course_lib.forkserver_exit"])   # it ends at once when told to stop
     return ctx
 
 

@@ -82,6 +82,8 @@ LABS = {
     "parallel_3d": Lab(4, "tp 2 × pp 2 (× dp)",
                        lambda n: f"--tp 2 --pp 2 --hidden 512 --layers 8 --seq-len 128 --batch-size {16 * (n // 4)} "
                                  "--microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
+    # save in one layout (8 GPUs: dp 2 × tp 2 × pp 2, ZeRO-1), resume in another on NCCL, float64 parity
+    "checkpoint": Lab(1, "", lambda n: "--no-kill --steps 8", "--no-kill --steps 6 --every 2 --kill-at 3"),
 }
 
 
@@ -93,6 +95,8 @@ def ranks_for(name: str, gpus: int) -> int:
         return max(d for d in (1, 2, 4, 8, 16) if d <= gpus)
     if name == "parallel_3d":
         return 4 * (gpus // 4)
+    if name == "checkpoint":                         # its layouts: 8, 4, 2 or 1 ranks
+        return max(d for d in (1, 2, 4, 8) if d <= gpus)
     return gpus
 
 

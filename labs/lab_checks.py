@@ -170,9 +170,17 @@ def memory_check(record: dict) -> tuple:
             verdict(min(ratios) >= 1 - STATE_TOLERANCE))
 
 
+def check_checkpoint(r: dict) -> list[tuple]:
+    return [("saved, resumed in the same layout: weights vs 1 process", f"< {1e-12:g}",
+             f"{r['max_gap_vs_one_process']:.1e}", verdict(r["max_gap_vs_one_process"] < 1e-12)),
+            (f"resumed in {r['resharded_into']}: weights vs 1 process", f"< {1e-12:g}",
+             f"{r['resharded_max_gap_vs_one_process']:.1e}", verdict(r["resharded_max_gap_vs_one_process"] < 1e-12)),
+            not_in_lab("a rank killed and restarted", "tests/test_failures.py, torchrun --max-restarts")]
+
+
 CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
           "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
-          "parallel_3d": check_parallel_3d}
+          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint}
 
 
 def lab_checks(name: str, out: Path) -> list[Check]:

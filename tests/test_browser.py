@@ -1,7 +1,8 @@
 """End to end, as a learner: real JupyterLab in headless Chromium opens every notebook fresh (no raw widget text,
-no answer on screen), runs it from the menu, moves one control of its explorer and sees the figure change; in
-notebook 00 it also answers the exercise wrong and then right, asks for a world far beyond the machine, and stops
-a long %%ranks cell with the stop button.
+no answer on screen, no prediction's reveal showing anything), runs it from the menu (each reveal then asks for a
+guess first), moves one control of its explorer and sees the figure change; in notebook 00 it also answers the
+exercise wrong and then right, asks for a world far beyond the machine, and stops a long %%ranks cell with the
+stop button.
 
 Needs Debian's `chromium` (`.ci/run` installs it) and the `playwright` package, which drives that system
 browser (no browser download). Skipped where chromium is missing, unless COURSE_REQUIRE_BROWSER=1 (as in CI).
@@ -180,6 +181,25 @@ def check_nothing_raw_and_no_answer_shown(page, name: str) -> None:
     assert "✓" not in shown, f"{name}: an exercise shows as solved before the learner has done anything"
 
 
+def reveal_count(name: str) -> int:
+    """How many cells of the notebook reveal a prediction's answer (they call ``.reveal(``)."""
+    cells = json.loads((REPO / "notebooks" / name).read_text())["cells"]
+    return sum(".reveal(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def check_no_reveal_shows_an_answer(page, name: str, *, ran: bool) -> None:
+    """Predict first: opened fresh, no reveal cell shows anything; after Run All (no guess locked in), each
+    says to lock in a guess first and shows no "you predicted" line."""
+    cells = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=".reveal("))
+    assert cells.count() == reveal_count(name), f"{name}: {cells.count()} reveal cells on screen"
+    for i in range(cells.count()):
+        said = cells.nth(i).locator(".jp-OutputArea").inner_text()
+        if ran:
+            assert "lock in a guess first" in said and "you predicted" not in said, f"{name}: {said[:200]}"
+        else:
+            assert said.strip() == "", f"{name}: a reveal shows output before anything ran: {said[:200]}"
+
+
 def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
     """Clear every output, then run every cell, through the menus as a learner would; every cell ran (Run All
     stops at an error, except in cells tagged raises-exception) and only the errors shown on purpose appear."""
@@ -267,7 +287,9 @@ def add_cell(page, code: str) -> None:
 def test_a_learner_opens_a_notebook_runs_it_from_the_menu_and_moves_its_explorer(lab, page, name):
     open_fresh(page, lab, name)
     check_nothing_raw_and_no_answer_shown(page, name)
+    check_no_reveal_shows_an_answer(page, name, ran=False)
     clear_and_run_all(page, lab, name)
+    check_no_reveal_shows_an_answer(page, name, ran=True)
     if "explorers." in (REPO / "notebooks" / name).read_text():   # notebooks with an explorer panel
         move_one_control_and_see_the_figure_change(page, name)
 

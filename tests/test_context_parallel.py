@@ -20,6 +20,8 @@ from course_lib.context_parallel import (
     attention_work,
     chunk_ids,
     gather_sequence,
+    hop_hiding_tokens,
+    loss_scale,
     positions,
     ring_attention,
     ring_attention_activation_bytes,
@@ -318,3 +320,71 @@ def test_torch_context_parallel_runs_the_non_causal_forward_on_cpu_by_all_gather
         assert list(result["comm_counts"].values()) == [2]         # K and V gathered whole: no ring
         assert "all_gather" in next(iter(result["comm_counts"]))
         assert result["backward_error"] == NO_RULE.format("_backward")
+
+
+# ---- uneven loss tokens (padding, ignore_index): weight each rank's gradient by its tokens ---------------
+
+def train_with_ignored_targets(rank, world_size, weighted):
+    torch.set_num_threads(1)
+    comm, config = Comm(), preset("tiny")
+    inputs, targets = SyntheticTokens(config.vocab_size, 16, seed=0).batch(0, 2)
+    targets = targets.clone()
+    targets[:, :6] = -100      # ignored (cross_entropy's ignore_index): rank 0 holds 4 of each row's, rank 1 two
+    whole = build(config, seed=0, dtype=torch.float64)
+    loss_fn(whole(inputs), targets).backward()
+    split = apply_context_parallel(build(config, seed=0, dtype=torch.float64), comm)
+    local_targets = shard_sequence(targets, comm, 1)
+    tokens = int((local_targets != -100).sum())
+    scale = loss_scale(tokens, comm) if weighted else 1.0
+    (scale * loss_fn(split(shard_sequence(inputs, comm, 1)), local_targets)).backward()
+    all_reduce_gradients(split, comm)
+    grads = dict(whole.named_parameters())
+    return tokens, max((p.grad - grads[name].grad).abs().max().item() for name, p in split.named_parameters())
+
+
+def test_losses_scaled_by_loss_tokens_give_the_sequence_s_gradient_when_ranks_ignore_different_numbers():
+    weighted = launch(train_with_ignored_targets, 2, weighted=True)
+    assert [tokens for tokens, _ in weighted] == [8, 12]      # 2 × (8 tokens per rank, minus 4 or 2 ignored)
+    assert all(gap <= TOL for _, gap in weighted)
+    plain = launch(train_with_ignored_targets, 2, weighted=False)
+    assert all(gap > 1e-6 for _, gap in plain)                # the mean of the ranks' means is not the mean
+
+
+def test_hop_hiding_tokens_for_nvlink_and_infiniband_with_and_without_grouped_query_attention():
+    bf16, flops = 2, 1e15
+    assert [hop_hiding_tokens(64, 64, bf16, flops, link) for link in (450e9, 50e9)] == [2223, 20000]
+    assert [hop_hiding_tokens(64, 8, bf16, flops, link) for link in (450e9, 50e9)] == [278, 2500]   # GQA 8:1
+    assert hop_hiding_tokens(64, 8, bf16, flops, 50e9, causal=True) == 5000   # half the pairs per step
+
+
+# ---- torch's two ways to move K and V: all-gather (the default) and the all-to-all ring ------------------
+
+def torch_rotations(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    warnings.simplefilter("ignore")
+    default = cp_attention._cp_options.rotate_method.name
+    block = torch.full((6,), float(rank))              # this rank's K/V block, flattened as torch's ring does
+    seen = {}
+    for method in ("allgather", "alltoall"):
+        cp_attention.set_rotate_method(method)
+        rotater = cp_attention._create_rotater(dist.group.WORLD, seq_dim=2)
+        current, arrived, held = block, [], 0
+        with CommDebugMode() as debug:
+            for _ in range(world_size - 1):
+                rotater.exchange_buffers(current)
+                current = rotater.next_buffer()
+                arrived.append(int(current[0]))
+                held = max(held, getattr(rotater, "_aggregated_buffer", current).numel() // block.numel())
+        seen[method] = (arrived, held, {str(op).split(".")[-1]: n for op, n in debug.get_comm_counts().items()})
+    return default, seen
+
+
+def test_torch_context_parallel_rotates_by_all_gather_by_default_and_by_an_all_to_all_ring_on_request():
+    for rank, (default, seen) in enumerate(launch(torch_rotations, 4)):
+        assert default == "ALL_GATHER"
+        ring_order = [(rank - step) % 4 for step in (1, 2, 3)]       # block r - t at step t, as ours
+        assert seen["allgather"] == (ring_order, 4, {"all_gather_into_tensor": 1})   # all 4 blocks held at once
+        assert seen["alltoall"] == (ring_order, 1, {"all_to_all_single": 3})        # one hop per step

@@ -59,6 +59,12 @@ def by_rank_and_expert(buffer, experts, comm):
     return combined.view(comm.size, len(experts), *buffer.shape[1:])
 
 
+def combine_on_rank_0_only(buffer, experts, comm):
+    """The hang of a learner: the combine inside an `if` that only rank 0 takes."""
+    outputs = run_mine(exchange(buffer, comm), experts, comm).reshape(buffer.shape)
+    return exchange(outputs, comm) if comm.rank == 0 else outputs
+
+
 @pytest.mark.parametrize("answer, words", [
     (unfinished, [NOT_DONE]),
     (no_exchange, ["✗ on 2 ranks, rank 0: no traced collective. Rank 0 holds experts 0–3 only",
@@ -70,6 +76,10 @@ def by_rank_and_expert(buffer, experts, comm):
     (three_exchanges, ["✗ on 2 ranks, rank 0: 3 all-to-alls; one to dispatch and one to combine are enough"]),
     (by_rank_and_expert, ["✗ on 2 ranks, rank 0: expected a tensor of the buffer's shape (8, 5, 64), got "
                           "(2, 4, 5, 64)"]),
-], ids=["unfinished", "no-exchange", "dispatch-only", "wrong-layout", "other-collective", "three", "wrong-shape"])
+    (combine_on_rank_0_only, ["✗ the ranks' collective calls diverge. Calls per op on each rank: rank 0 "
+                              "all_to_all × 2; rank 1 all_to_all × 1. Ranks [1] returned from your exchange; "
+                              "ranks [0] did not", "is a call inside an `if` on the rank?"]),
+], ids=["unfinished", "no-exchange", "dispatch-only", "wrong-layout", "other-collective", "three", "wrong-shape",
+        "hang-on-rank-0"])
 def test_check_expert_exchange_says_what_is_wrong(capsys, answer, words):
     verdict(capsys, exercises.check_expert_exchange(answer), False, *words)

@@ -6,7 +6,6 @@ import pytest
 from test_exercises import NOT_DONE, unfinished, verdict
 
 from course_lib import exercises, solutions
-from course_lib.cost import DEFAULT_EFFICIENCY
 from course_lib.exercises import scale as exercises_scale
 from course_lib.layouts import Workload
 from course_lib.plan import plan
@@ -56,15 +55,15 @@ def test_a_layout_that_does_not_fit_says_which_part_overflows_and_by_how_much(ca
 
 @pytest.mark.parametrize("answer, worst, words", [
     (layout(dp=8, tp=8, pp=1, recompute="full"), "tp",
-     ["MFU is 34.9% < 45%", "The largest loss is tp, 8.63 s (20% of the step)", "A smaller TP"]),
+     ["MFU is 33.8% < 42%", "The largest loss is tp, 8.63 s (20% of the step)", "A smaller TP"]),
     (layout(dp=16, tp=4, pp=1, zero_stage=3), "dp",
-     ["MFU is 30.2% < 45%", "The largest loss is dp, 21.5 s (44% of the step)", "gathered 2m times"]),
+     ["MFU is 22.3% < 42%", "The largest loss is dp, 38.5 s (58% of the step)", "gathered 2m times"]),
     (layout(dp=4, tp=1, pp=16, micro_batch_size=4, recompute="full", sequence_parallel=False), "bubble",
-     ["The largest loss is bubble, 16.1 s (32% of the step)", "(p-1)/(m+p-1)"]),
+     ["The largest loss is bubble, 15.5 s (32% of the step)", "(p-1)/(m+p-1)"]),
     (layout(dp=8, tp=1, pp=8, recompute="full", sequence_parallel=False), "recompute",
-     ["The largest loss is recompute, 8.3 s (22% of the step)", "hardware FLOPs that MFU does not count"]),
-    (layout(dp=1, tp=4, pp=16), "imbalance",
-     ["MFU is 43.5% < 45%", "The largest loss is imbalance, 5.47 s (16% of the step)", "whole on every TP rank"]),
+     ["The largest loss is recompute, 8.18 s (22% of the step)", "hardware FLOPs that MFU does not count"]),
+    (layout(dp=1, tp=1, pp=64, recompute="full", sequence_parallel=False), "imbalance",
+     ["MFU is 24.8% < 42%", "The largest loss is imbalance", "whole on every TP rank"]),
 ], ids=["tp", "dp", "bubble", "recompute", "imbalance"])
 def test_a_layout_that_fits_but_is_slow_names_its_largest_loss(capsys, answer, worst, words):
     shown = verdict(capsys, exercises.check_layout_at_scale(answer), False, "✗ it fits, but", *words)
@@ -72,14 +71,14 @@ def test_a_layout_that_fits_but_is_slow_names_its_largest_loss(capsys, answer, w
     _, _, _, time = exercises_scale.judge(answer())
     lost = exercises_scale.losses(time)
     assert max(lost, key=lost.get) == worst and min(lost.values()) >= -1e-9
-    ideal = time.mfu * time.total_s / DEFAULT_EFFICIENCY      # every second beyond the ideal step has a name
+    ideal = time.mfu * time.total_s / time.achieved_share     # every second beyond the ideal step has a name
     assert sum(lost.values()) == pytest.approx(time.total_s - ideal)
 
 
-@pytest.mark.parametrize("answer", [layout(dp=8, tp=8, pp=1, zero_stage=2), layout(dp=4, tp=8, pp=2)],
-                         ids=["dp8-tp8-zero2", "dp4-tp8-pp2"])
+@pytest.mark.parametrize("answer", [layout(dp=1, tp=4, pp=16), layout(dp=4, tp=8, pp=2)],
+                         ids=["dp1-tp4-pp16", "dp4-tp8-pp2"])
 def test_other_layouts_pass_too(capsys, answer):
-    verdict(capsys, exercises.check_layout_at_scale(answer), True, "✓ dp", "(≥ 45%)")
+    verdict(capsys, exercises.check_layout_at_scale(answer), True, "✓ dp", "(≥ 42%)")
 
 
 def test_the_checker_judges_with_the_planners_numbers():

@@ -232,8 +232,26 @@ def test_plan_explorer_answers_the_five_questions_and_draws_every_recipe_with_it
     assert not panel.plan.fits and panel.plan.source is None and "on 8 GPUs" in drawn[-1].title
     assert list(drawn[-1].args[0]) == [f"{name} over 8 (state only)" for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
     assert "at least 13 GPUs" in capsys.readouterr().out
-    panel.controls["model"].value = "tiny"
-    assert panel.plan.fits and drawn[-1].title.startswith("tiny on 8 GPUs")
+    assert "tiny" not in panel.controls["model"].options       # 4,096 tokens and a share of peak mean nothing there
+    panel.controls["model"].value = "1B (TinyLlama-1.1B)"
+    assert panel.plan.fits and drawn[-1].title.startswith("1B (TinyLlama-1.1B) on 8 GPUs")
+    assert "full recomputation" in drawn[-1].title
+    panel.controls["recompute"].value = "none"
+    assert "no recomputation" in drawn[-1].title
+
+
+def test_plan_explorer_marks_one_chosen_recipe_and_labels_layouts_that_differ_in_bytes_apart(drawn):
+    """1B on one GPU: several recipes end at dp1×tp1×pp1, but only the fastest is chosen, and ZeRO-3's bar (one
+    layer gathered beside its shards) is labelled apart from the others, which hold the same bytes."""
+    panel = explorers.plan_explorer(model="1B (TinyLlama-1.1B)", num_gpus=1, recompute="full")
+    rows = drawn[-1].args[0]
+    assert panel.plan.fits and sum(label.startswith("▶ ") for label in rows) == 1
+    assert next(iter(rows)).startswith("questions 1-3") and list(rows)[1].startswith("▶ " + panel.plan.candidates[0].recipe)
+    by_label = {}
+    for label, parts in rows.items():
+        by_label.setdefault(label.split(": ", 1)[1], set()).add(sum(parts.values()))
+    assert all(len(totals) == 1 for totals in by_label.values()), by_label
+    assert "dp1×tp1×pp1, no dp, ZeRO-3's gathered layer" in by_label
 
 
 def test_plan_explorer_prints_an_impossible_request_and_every_bad_smell(drawn, capsys, monkeypatch):
@@ -377,8 +395,10 @@ def test_pipeline_explorer_measures_each_setting_once_beside_the_formula(drawn, 
     panel = explorers.pipeline_explorer(num_stages=2, num_microbatches=1, op_ms=2, steps=1)
     try:
         assert isinstance(panel, widgets.VBox)
-        assert values(panel.controls) == {"stages": 2, "microbatches": 1, "schedule": "1f1b", "cost": 1.0}
-        timeline = panel.runs[2, 1, "1f1b", 1.0]
+        assert values(panel.controls) == {"stages": 2, "microbatches": 1, "schedule": "1f1b", "cost": 1.0,
+                                          "chunks": 2, "weight": 0.5}
+        assert panel.controls["chunks"].layout.display == panel.controls["weight"].layout.display == "none"
+        timeline = panel.runs[2, 1, "1f1b", 1.0, 1, 0.5]
         assert isinstance(timeline, Timeline) and timeline.num_stages == 2 and len(timeline.events) == 2 * 2
         (drawing,) = drawn
         assert drawing.name == "pipeline_gantt" and drawing.args[0] is timeline
@@ -389,7 +409,7 @@ def test_pipeline_explorer_measures_each_setting_once_beside_the_formula(drawn, 
 
         panel.controls["microbatches"].value = 2
         panel.controls["schedule"].value = "gpipe"
-        assert list(panel.runs)[1:] == [(2, 2, "1f1b", 1.0), (2, 2, "gpipe", 1.0)]
+        assert list(panel.runs)[1:] == [(2, 2, "1f1b", 1.0, 1, 0.5), (2, 2, "gpipe", 1.0, 1, 0.5)]
         shown = capsys.readouterr().out
         assert "per stage: [2, 1]" in shown and "per stage: [2, 2]" in shown   # 1F1B holds fewer than GPipe
         panel.controls["cost"].value = 2.0
@@ -399,6 +419,22 @@ def test_pipeline_explorer_measures_each_setting_once_beside_the_formula(drawn, 
         assert len(panel.runs) == 4 and len(drawn) == 6
         assert not any(c.disabled for c in panel.controls.values())
         assert_says_what_it_is(panel, panel._repr_mimebundle_())
+
+        capsys.readouterr()
+        panel.controls["schedule"].value = "interleaved"                 # v = 2 chunks per rank, p = 2, m = 2
+        assert panel.controls["chunks"].layout.display is None and panel.controls["weight"].layout.display == "none"
+        assert drawn[-1].kwargs["title"].startswith("interleaved, p = 2, m = 2, v = 2")
+        shown = capsys.readouterr().out
+        assert "formula          20.0%   (p-1)/(v·m+p-1) = 1/5" in shown and "chunk micro-batches" in shown
+        panel.controls["microbatches"].value = 1                         # not a multiple of p: named, not drawn
+        assert len(drawn) == 7 and "interleaved refuses this setting" in capsys.readouterr().out
+        panel.controls["stages"].value, panel.controls["chunks"].value = 3, 4
+        assert "p·v = 3·4 = 12 virtual stages for a model of 8 layers" in capsys.readouterr().out
+        panel.controls["stages"].value, panel.controls["microbatches"].value = 2, 4
+        panel.controls["schedule"].value = "zb-h1"
+        panel.controls["weight"].value = 0.25                            # T_W = ¼ of a backward, T_B = ¾
+        assert list(panel.runs)[-2:] == [(2, 4, "zb-h1", 1.0, 1, 0.5), (2, 4, "zb-h1", 1.0, 1, 0.25)]
+        assert "T_B = 0.75·T_F, T_W = 0.25·T_F" in capsys.readouterr().out
     finally:
         assert panel.stop_ranks() is None
 

@@ -159,14 +159,15 @@ def test_a_lab_that_fails_is_reported_with_its_log(tmp_path, monkeypatch):
 
 def test_labs_that_need_more_gpus_than_the_box_has_are_skipped_with_the_reason():
     assert [name for name in check_gpu.LABS if check_gpu.skip_reason(name, 1) is None] == [
-        "training_step", "ddp", "zero"]                     # one GPU: the NCCL world of 1
+        "training_step", "ddp", "zero", "checkpoint"]       # one GPU: the NCCL world of 1
     assert check_gpu.skip_reason("tensor_parallel", 1) == \
         "needs 2 GPUs (TP splits every layer over 2 or more ranks), found 1"
     assert check_gpu.skip_reason("parallel_3d", 2) == "needs 4 GPUs (tp 2 × pp 2 (× dp)), found 2"
     assert all(check_gpu.skip_reason(name, 8) is None for name in check_gpu.LABS)
     # six GPUs: TP uses 4 (it must divide the 16 key/value heads), 3D uses 4 (tp 2 × pp 2), the others all 6
     assert {name: check_gpu.ranks_for(name, 6) for name in check_gpu.LABS} == {
-        "training_step": 6, "ddp": 6, "zero": 6, "tensor_parallel": 4, "pipeline_parallel": 6, "parallel_3d": 4}
+        "training_step": 6, "ddp": 6, "zero": 6, "tensor_parallel": 4, "pipeline_parallel": 6, "parallel_3d": 4,
+        "checkpoint": 4}                                  # its layouts: 8, 4, 2 or 1 ranks
     assert check_gpu.ranks_for("parallel_3d", 0) == 4 and check_gpu.ranks_for("zero", 0) == 2   # the CPU smoke run
 
 

@@ -657,3 +657,17 @@ def test_the_expert_figures_draw_a_routing_and_the_drops_by_capacity():
             for f, c, d in [(0.5, 2, 16), (1.0, 4, 6), (2.0, 8, 0)]]
     measured = plots.dropped_share(rows, imbalance=2.0).axes[0].get_lines()[0]
     assert list(measured.get_ydata()) == [50.0, 18.75, 0.0]
+
+
+# ---- 10 · checkpoints and failures ------------------------------------------------------------------
+
+def test_the_waste_plot_draws_the_total_its_two_terms_and_youngs_optimum_at_its_minimum():
+    from course_lib import failures
+
+    fig = plots.checkpoint_waste(8.0, 2e5, 600, step_s=10.0)
+    ax = fig.axes[0]
+    total, writing, redoing, optimum = ax.lines[:4]
+    best = failures.young_interval(8.0, 2e5) / 60
+    assert optimum.get_xdata()[0] == pytest.approx(best)
+    assert min(total.get_ydata()) >= optimum.get_ydata()[0] - 1e-9     # nothing on the curve lies below it
+    assert "Young: every 30 min" in " ".join(t.get_text() for t in ax.texts)      # sqrt(2·8·2e5) s = 29.8 min

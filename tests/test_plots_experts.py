@@ -68,12 +68,36 @@ def test_expert_load_names_a_capacity_far_above_the_bars_instead_of_squashing_th
     assert fig._suptitle.get_text() == "32 assignments to 8 experts of 32 slots: 0 dropped"
 
 
-def test_expert_load_shows_four_ranks_in_the_legend_and_every_rank_as_a_bar():
+def legend_clear_of_the_data(fig) -> bool:
+    """Every legend of ``fig`` lies inside the figure and overlaps none of its axes (in display pixels)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        if box.x0 < -0.5 or box.y0 < -0.5 or box.x1 > fig.bbox.width + 0.5 or box.y1 > fig.bbox.height + 0.5:
+            return False
+        if any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes):
+            return False
+    return True
+
+
+def test_expert_load_at_ep_8_names_every_rank_in_a_legend_clear_of_the_data():
     one_each = Routing(capacity=5, requested_per_expert=ROUTING.requested_per_expert,
                        kept_per_expert=ROUTING.kept_per_expert, ep=8)
     fig = plots.expert_load(one_each)
-    assert len(bars(fig.axes[1])) == 8 and legend_texts(fig)[3] == "kept, on rank 3 …"
+    assert len(bars(fig.axes[1])) == 8 and legend_texts(fig)[:8] == [f"kept, on rank {r}" for r in range(8)]
     assert len({to_hex(b.get_facecolor()) for b in bars(fig.axes[1])}) == 8           # a colour per rank
+    assert legend_clear_of_the_data(fig) and legend_clear_of_the_data(plots.expert_load(ROUTING))
+
+
+def test_expert_load_value_labels_sit_over_the_capacity_line_on_a_white_box():
+    on_the_line = Routing(capacity=5, requested_per_expert=[5, 5, 5, 5, 4, 4, 4, 4],
+                          kept_per_expert=[5, 5, 5, 5, 4, 4, 4, 4], ep=2)
+    left = plots.expert_load(on_the_line).axes[0]
+    (capacity,) = lines_at(left, y=5)
+    for label in left.texts[:8]:
+        assert label.get_bbox_patch().get_facecolor()[:3] == (1.0, 1.0, 1.0)
+        assert label.get_zorder() > capacity.get_zorder()
 
 
 def test_dropped_share_draws_the_measured_share_the_even_routing_line_and_the_imbalance():

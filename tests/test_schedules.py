@@ -274,3 +274,32 @@ def test_gantt_charts_colour_w_and_label_each_chunk():
     assert {c[4] for c in fig.data[1].customdata} == {2, 3}                      # chunk 1: virtual stages p + s
     assert [t.name for t in interactive.pipeline_gantt(zero_bubble).data] == ["forward", "input grad (B)",
                                                                               "weight grads (W)"]
+
+
+def torch_zb_h1_orders(p: int, m: int) -> list[list[tuple[str, int]]] | None:
+    """torch's ScheduleInterleavedZeroBubble, one stage per rank, as each rank's (op, micro-batch) list; None
+    where torch refuses m (it needs m divisible by its rounds, max(1, m // p)). Only the planning step runs: no
+    process group, no stage (the constructor's arithmetic, set by hand; the ranks test above runs it for real)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    planner = object.__new__(ScheduleInterleavedZeroBubble)
+    planner.pp_group_size, planner.n_local_stages, planner._n_microbatches = p, 1, m
+    planner.number_of_rounds = max(1, m // p)
+    planner.microbatches_per_round = m // planner.number_of_rounds
+    if m % planner.number_of_rounds:
+        return None
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [[(kinds[a.computation_type.name], a.microbatch_index)
+             for a in planner._calculate_single_rank_operations(rank) if a is not None] for rank in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zb_h1_is_torch_s_interleaved_zero_bubble_op_for_op_for_every_m_up_to_16(p):
+    compared = []
+    for m in range(p, 17):
+        theirs = torch_zb_h1_orders(p, m)
+        if theirs is None:
+            assert m % (m // p) != 0                         # only where torch refuses the micro-batch count
+            continue
+        assert theirs == [[tuple(a[:2]) for a in acts] for acts in schedule_actions("zb-h1", p, m)], (p, m)
+        compared.append(m)
+    assert len(compared) >= 8 and compared[-1] >= 15

@@ -8,6 +8,7 @@ reference answers are in course_lib/solutions.py, shown only to a learner who as
 """
 
 from ..solutions import solution as solution  # exercises.solution(name): a learner who asks sees an answer
+from .checkpoints import check_global_norm as _check_global_norm
 from .common import NOT_DONE as NOT_DONE
 from .common import exercise
 from .context import check_lse_merge as _check_lse_merge
@@ -27,3 +28,4 @@ check_3d_layout = exercise(_check_3d_layout)
 check_lse_merge = exercise(_check_lse_merge)
 check_expert_exchange = exercise(_check_expert_exchange)
 check_layout_at_scale = exercise(_check_layout_at_scale)
+check_global_norm = exercise(_check_global_norm)

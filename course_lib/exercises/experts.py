@@ -2,7 +2,13 @@
 read; exercises.py wraps and re-exports it, so notebooks call ``exercises.check_expert_exchange`` like the others.
 """
 
+import datetime
+import json
+import uuid
+from collections import Counter
+
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm
 from ..experts import apply_ep
@@ -14,6 +20,57 @@ CONFIG = preset("tiny", num_experts=8, top_k=2)   # 8 SwiGLU experts of hidden 6
 TOKENS = (2, 8)                                    # per rank: 16 tokens, C = ceil(1.25 · 16 · 2 / 8) = 5 slots
 CAPACITY_FACTOR = 1.25
 ATOL = 1e-9    # float64: the same rows through the same experts, a few at a time or all at once (~1e-16)
+RETURN_WAIT_SECONDS = 10.0   # ranks leave their last collective together: one still away this long never will
+DIVERGED = "the ranks' collective calls diverge"
+
+
+class CountedComm:
+    """The ``comm`` the learner's exchange gets: a Comm whose collectives count their calls per op and publish
+    the counts to the process group's store *before* each call runs. A rank that blocks in a collective the
+    others never called thus still tells them how far it got (gloo would otherwise pair its call with their
+    next one, and the hang would show up somewhere else)."""
+
+    COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
+                   "exchange", "barrier")
+
+    def __init__(self, comm: Comm, store, prefix: str):
+        self._comm, self._store, self._prefix = comm, store, prefix
+        self.calls = Counter()
+        store.set(f"{prefix}/calls/{comm.rank}", "{}")
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name not in self.COLLECTIVES or not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            self._store.set(f"{self._prefix}/calls/{self._comm.rank}", json.dumps(self.calls))
+            return attr(*args, **kwargs)
+        return counted
+
+    def returned(self) -> None:
+        """Say this rank's exchange returned, and wait for every rank's: if one never returns, raise a
+        RuntimeError naming each rank's calls per op and the ranks that had returned."""
+        rank, size, store = self._comm.rank, self._comm.size, self._store
+        store.set(f"{self._prefix}/returned/{rank}", json.dumps(self.calls))
+        keys = [f"{self._prefix}/returned/{r}" for r in range(size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=RETURN_WAIT_SECONDS))
+        except Exception:       # the store's timeout (DistStoreError): some rank is still inside the exchange
+            back = [r for r in range(size) if store.check([keys[r]])]
+            calls = {r: json.loads(store.get(f"{self._prefix}/calls/{r}")) for r in range(size)}
+            away = [r for r in range(size) if r not in back]
+            raise RuntimeError(
+                f"{DIVERGED}. Calls per op on each rank: "
+                + "; ".join(f"rank {r} {_calls_text(calls[r])}" for r in range(size))
+                + f". Ranks {back} returned from your exchange; ranks {away} did not: each waits in a collective "
+                "that not every rank called. Every rank must call the same collectives in the same order (is a "
+                "call inside an `if` on the rank?)") from None
+
+
+def _calls_text(calls: dict) -> str:
+    return ", ".join(f"{op} × {n}" for op, n in sorted(calls.items())) or "no collective"
 
 
 def check_expert_exchange(expert_exchange) -> bool:
@@ -25,6 +82,7 @@ def check_expert_exchange(expert_exchange) -> bool:
     num_experts, hidden = CONFIG.num_experts, CONFIG.hidden
     slots = capacity(TOKENS[0] * TOKENS[1], num_experts, CONFIG.top_k, CAPACITY_FACTOR)
     buffer_bytes = num_experts * slots * hidden * 8
+    prefix = f"check_expert_exchange/{uuid.uuid4().hex}"    # this check's keys in the store, and no other's
 
     def trial(rank, world_size):
         torch.manual_seed(0)                                    # the same whole layer on every rank
@@ -34,10 +92,12 @@ def check_expert_exchange(expert_exchange) -> bool:
         x = torch.randn(*TOKENS, hidden, dtype=torch.float64, generator=generator)
         mine = num_experts // world_size
         comm = Comm()
+        counted = CountedComm(comm, dist.distributed_c10d._get_default_store(), f"{prefix}/{world_size}")
         with torch.no_grad():
             expected = torch.stack([expert(rows) for expert, rows in zip(whole.experts, buffer)])
             with comm.trace() as log:
-                out = expert_exchange(buffer.clone(), whole.experts[rank * mine:(rank + 1) * mine], comm)
+                out = expert_exchange(buffer.clone(), whole.experts[rank * mine:(rank + 1) * mine], counted)
+            counted.returned()        # before any further collective: a rank left behind is named here
             ops = [(record.op, record.payload_bytes) for record in log.records]
             if not (isinstance(out, torch.Tensor) and out.shape == expected.shape):
                 return out, expected, ops, None
@@ -47,8 +107,11 @@ def check_expert_exchange(expert_exchange) -> bool:
             layer_gap = (layer(x) - whole(x)).abs().max().item()
         return out, expected, ops, layer_gap
 
+    def explain(summary: str) -> str | None:
+        return "✗ " + summary[summary.index(DIVERGED):] if DIVERGED in summary else None
+
     for world_size in (2, 4):
-        results = run_on_ranks(trial, world_size)
+        results = run_on_ranks(trial, world_size, explain=explain)
         if results is None:
             return False
         mine = num_experts // world_size

@@ -12,7 +12,8 @@ from .live import (
     pipeline_explorer,
     tp_speed_explorer,
 )
+from .long_context import long_context_explorer
 
 __all__ = ["DDP_BUCKETS", "GPUS", "LEARNING_RATES", "PLAN_GPUS", "ZERO_RANKS", "ddp_overlap_explorer",
-           "learning_rate_explorer", "memory_explorer", "pipeline_explorer", "plan_explorer", "tp_speed_explorer",
+           "learning_rate_explorer", "long_context_explorer", "memory_explorer", "pipeline_explorer", "plan_explorer", "tp_speed_explorer",
            "zero_explorer", "moe_explorer"]

@@ -1,6 +1,11 @@
 """The mixture-of-experts explorer (notebook 08): top-k, capacity factor, EP ranks and how alike the tokens are →
 the load on every expert and every EP rank, the assignments dropped, the load-balancing loss and the bytes of one
-all-to-all. Each redraw runs the real layer (course_lib.experts.MoE) on 256 tokens: instant."""
+all-to-all. Each redraw runs the real layer (course_lib.experts.MoE) on 256 tokens: instant.
+
+"Tokens" means what it means in notebook 08's part 4: the 256 tokens are the EP group's, and each of the ep ranks
+holds and routes its own 256/ep of them, with C = ceil(factor × (256/ep) × k / E) slots per expert for its
+tokens. An expert then computes ep·C rows, C from each rank; what one rank sends in one all-to-all is
+experts.all_to_all_bytes(256/ep, ...)."""
 
 import dataclasses
 
@@ -10,7 +15,7 @@ import torch
 from .. import plots
 from ..experts import all_to_all_bytes
 from ..model import preset
-from ..moe import MoE
+from ..moe import MoE, Routing
 from ._panel import ExplorerPanel, format_bytes, plural
 
 NUM_EXPERTS, NUM_TOKENS = 8, 256
@@ -34,10 +39,12 @@ def alike_tokens(num_tokens: int, hidden: int, skew: float, seed: int = 1) -> to
 def moe_explorer(top_k=2, capacity_factor=1.25, ep=4, skew=0.5):
     """Top-k × capacity factor × EP ranks × how alike the tokens are → tokens per expert and per EP rank, drops.
 
-    The layer is the tiny model's MoE with 8 experts (seed 0), run on 256 tokens (:func:`alike_tokens`). The
-    routing does not depend on ep (the router sees the same tokens): ep only groups the experts onto ranks.
-    ``panel.routing`` (a Routing, with ep set), ``panel.aux_loss`` and ``panel.wire_bytes`` (one all-to-all,
-    bytes each rank sends, float32), as shown.
+    The layer is the tiny model's MoE with 8 experts (seed 0), run on 256 tokens (:func:`alike_tokens`), the EP
+    group's: each of the ep ranks routes its 256/ep (the module docstring). The router's choices do not depend
+    on ep (each token is scored alone); the capacity, and so the drops, are per rank's tokens.
+    ``panel.rank_routings`` (each rank's Routing), ``panel.routing`` (their total: the group's load, capacity
+    ep·C), ``panel.aux_loss`` (over all 256 tokens) and ``panel.wire_bytes`` (one all-to-all, bytes each rank
+    sends, float32), as shown.
     """
     config = preset("tiny", num_experts=NUM_EXPERTS, top_k=top_k)
     torch.manual_seed(0)
@@ -60,20 +67,28 @@ def moe_explorer(top_k=2, capacity_factor=1.25, ep=4, skew=0.5):
         if alike not in tokens:
             tokens[alike] = alike_tokens(NUM_TOKENS, config.hidden, alike)
         moe.top_k, moe.capacity_factor = k, factor          # the same layer: only the routing rules change
+        per_rank_tokens = NUM_TOKENS // ranks
+        panel.rank_routings = []
         with torch.no_grad():
-            moe(tokens[alike])
-        panel.routing = routing = dataclasses.replace(moe.last_routing, ep=ranks)
+            for r in range(ranks):                           # each rank routes its own tokens, as in part 4
+                moe(tokens[alike][r * per_rank_tokens:(r + 1) * per_rank_tokens])
+                panel.rank_routings.append(dataclasses.replace(moe.last_routing, ep=ranks))
+            moe(tokens[alike])                               # the group's load-balancing loss, all 256 tokens
+        panel.routing = routing = Routing.total(panel.rank_routings)
         panel.aux_loss = moe.aux_loss.item()
-        panel.wire_bytes = all_to_all_bytes(NUM_TOKENS, config.hidden, NUM_EXPERTS, k, factor, ranks)
+        panel.wire_bytes = all_to_all_bytes(per_rank_tokens, config.hidden, NUM_EXPERTS, k, factor, ranks)
+        slots = panel.rank_routings[0].capacity
+        busiest = max(r.imbalance for r in panel.rank_routings)
         assignments = NUM_TOKENS * k
         panel.draw(plots.expert_load(routing, title=f"top-{k}, capacity factor {factor:g}, tokens alike {alike:g}: "
                                                     f"{routing.dropped:,} of {assignments:,} assignments dropped"))
         per_rank = routing.tokens_per_rank
-        print(f"top-{k} of {NUM_EXPERTS} experts, {NUM_TOKENS} tokens: C = ceil({factor:g} × {NUM_TOKENS} × {k} / "
-              f"{NUM_EXPERTS}) = {routing.capacity} slots per expert")
+        print(f"{NUM_TOKENS} tokens in the EP group, {per_rank_tokens} on each of its {plural(ranks, 'rank')}; top-{k} "
+              f"of {NUM_EXPERTS} experts: C = ceil({factor:g} × {per_rank_tokens} × {k} / {NUM_EXPERTS}) = {slots} "
+              f"slots per expert for each rank's tokens, {routing.capacity} per expert over the group")
         print(f"dropped {routing.dropped:,} of {assignments:,} assignments ({routing.dropped / assignments:.1%}); "
-              f"the busiest expert is asked for {routing.imbalance:.2f}× the even share (a capacity factor of "
-              f"{routing.imbalance:.2f} or more drops nothing)")
+              f"on the busiest rank the busiest expert is asked for {busiest:.2f}× its even share (a capacity "
+              f"factor of {busiest:.2f} or more drops nothing)")
         print(f"load-balancing loss {panel.aux_loss:.3f} (1.0 = even)", end="")
         if ranks == 1:
             print("; one rank holds every expert: no all-to-all")

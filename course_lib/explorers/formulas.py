@@ -173,7 +173,14 @@ def _memory_parts(config, mesh: Mesh, zero_stage: int, memory: dict[str, int]) -
 
 
 def _layout_text(mesh: Mesh, zero_stage: int) -> str:
-    return f"dp{mesh.dp}×tp{mesh.tp}×pp{mesh.pp}, " + ("no dp" if mesh.dp == 1 else stage_name(zero_stage))
+    """The layout as a bar's label. Without a dp axis ZeRO-1 and -2 change nothing, but ZeRO-3 still gathers one
+    layer whole beside the shards (layouts.memory_per_gpu counts it): two layouts that differ in bytes never
+    share a label."""
+    if mesh.dp == 1:
+        axis = "no dp, ZeRO-3's gathered layer" if zero_stage == 3 else "no dp"
+    else:
+        axis = stage_name(zero_stage)
+    return f"dp{mesh.dp}×tp{mesh.tp}×pp{mesh.pp}, {axis}"
 
 
 def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_node=8, sequence_parallel=False,
@@ -185,7 +192,8 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
     in micro-batches of one, with the sequence parallelism and recomputation chosen. When even the state does
     not fit, the bars are the ZeRO ladder over all the GPUs (state only). ``panel.plan``: the Plan shown (None
     when plan refused the request); ``panel.rows``: bar → {part: bytes}, as drawn."""
-    configs = _explorer_configs()
+    # Not the tiny model: 4,096-token sequences and a share of a data-centre GPU's peak mean nothing at hidden 64
+    configs = {name: config for name, config in _explorer_configs().items() if name != "tiny"}
     controls = {
         "model": widgets.Dropdown(options=list(configs), value=model, description="model"),
         "gpus": widgets.SelectionSlider(options=list(PLAN_GPUS), value=num_gpus, description="GPUs"),
@@ -222,14 +230,15 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
             mesh, stage = chosen_plan.source
             memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=capacity)
             panel.rows = {f"questions 1-3: {_layout_text(mesh, stage)}": _memory_parts(config, mesh, stage, memory)}
-            for c in chosen_plan.candidates:
-                mark = "▶ " if chosen_plan.fits and c.mesh == chosen_plan.mesh else ""
+            for i, c in enumerate(chosen_plan.candidates):   # fastest first: the chosen one is the first
+                mark = "▶ " if chosen_plan.fits and i == 0 else ""
                 label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage)}"
                 panel.rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory)
         sp = ", sequence parallel" if workload.sequence_parallel else ""
+        recomputation = "no recomputation" if workload.recompute == "none" else f"{workload.recompute} recomputation"
         panel.draw(plots.memory_bars(panel.rows, capacity_bytes=capacity, capacity_label=chosen["gpu"],
                                      title=f"{chosen['model']} on {plural(n, 'GPU')}: the busiest GPU "
-                                           f"(4,096 tokens, {workload.recompute} recomputation{sp})"))
+                                           f"(sequences of 4,096 tokens, {recomputation}{sp})"))
         print(chosen_plan)
         if chosen_plan.candidates:
             print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>4}")

@@ -13,11 +13,13 @@ from ..pipeline_parallel import Timeline, bubble_fraction, simulate
 from ..runs.ddp import phase_seconds, run_data_parallel
 from ..runs.pipeline import pipeline_worker
 from ..runs.tensor_parallel import measure_tp_speed
+from ..schedules import zero_bubble_fraction
 from ..train import tiny_loss_curve
 from ..units import KiB, MiB
 from ..workers import WorkerGroup
 from ._panel import ExplorerPanel, about, plural
 
+PIPELINE_LAYERS = 8   # the pipeline explorer's model: enough layers for p·v = 8 virtual stages
 LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 DDP_BUCKETS = {"naive: no buckets": None, "16 KiB": 16 * KiB, "64 KiB": 64 * KiB, "256 KiB": 256 * KiB,
                "1 MiB": MiB, "25 MiB (torch's default)": 25 * MiB}
@@ -168,50 +170,84 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
 
 # ---- 05 · pipeline parallelism ------------------------------------------------------------------------
 
-def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_stage_cost=1.0, op_ms=30, steps=2):
+def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_stage_cost=1.0, op_ms=30, steps=2,
+                      num_chunks=2, weight_fraction=0.5):
     """Stages, micro-batches, schedule and the last stage's cost → a real pipeline step on that many ranks in
     controlled-cost mode (every forward and backward padded to ``op_ms``, the last stage's to
     ``last_stage_cost`` × op_ms; the fastest of ``steps`` steps): its measured Gantt chart and bubble beside
-    the formula (p-1)/(m+p-1) and the simulated prediction for these costs. Runs are cached (``panel.runs``:
-    settings → Timeline) on persistent ranks, one WorkerGroup per number of stages; ``panel.stop_ranks()`` stops them.
-    """
-    weights = build(preset("tiny"), seed=0).state_dict()   # built once here, not on every rank
+    the formula and the simulated prediction for these costs. Schedules: GPipe, 1F1B, interleaved 1F1B with v
+    chunks per rank (``num_chunks``; the model has PIPELINE_LAYERS layers, so p·v at most that) and ZB-H1, whose
+    W takes ``weight_fraction`` of a backward (T_W; B the rest). Runs are cached (``panel.runs``: (p, m,
+    schedule, cost, v, W share) → Timeline) on persistent ranks, one WorkerGroup per number of stages;
+    ``panel.stop_ranks()`` stops them. A setting the schedule refuses is named, not drawn."""
+    weights = build(preset("tiny", num_layers=PIPELINE_LAYERS), seed=0).state_dict()   # built once, not per rank
     groups, runs = {}, {}
     controls = {
         "stages": widgets.IntSlider(value=num_stages, min=2, max=4, description="stages p"),
         "microbatches": widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=num_microbatches,
                                                 description="micro-batches m"),
-        "schedule": widgets.ToggleButtons(options=["gpipe", "1f1b"], value=schedule, description="schedule"),
+        "schedule": widgets.ToggleButtons(options=["gpipe", "1f1b", "interleaved", "zb-h1"], value=schedule,
+                                          description="schedule"),
         "cost": widgets.SelectionSlider(options=[1.0, 1.5, 2.0, 3.0], value=last_stage_cost,
                                         description="last stage ×"),
+        "chunks": widgets.ToggleButtons(options=[2, 4], value=num_chunks, description="chunks v"),
+        "weight": widgets.ToggleButtons(options=[("¼ of backward", 0.25), ("½ of backward", 0.5)],
+                                        value=weight_fraction, description="T_W"),
     }
-    panel = ExplorerPanel([widgets.HBox([widgets.VBox([controls["stages"], controls["microbatches"]]),
-                                         widgets.VBox([controls["schedule"], controls["cost"]])])], controls,
-                          "a real pipeline step's Gantt chart and bubble, for the stages, micro-batches, schedule "
-                          "and last-stage cost you choose, beside the formula's bubble")
+    panel = ExplorerPanel([widgets.HBox([widgets.VBox([controls["stages"], controls["microbatches"], controls["cost"]]),
+                                         widgets.VBox([controls["schedule"], controls["chunks"], controls["weight"]])])],
+                          controls, "a real pipeline step's Gantt chart and bubble, for the stages, micro-batches, "
+                                    "schedule (GPipe, 1F1B, interleaved, ZB-H1) and last-stage cost you choose, "
+                                    "beside the formula's bubble")
+
+    def formula(name, p, m, v, w) -> str:
+        if name == "interleaved":
+            return f"{bubble_fraction(p, m, v):6.1%}   (p-1)/(v·m+p-1) = {p - 1}/{v * m + p - 1}"
+        if name == "zb-h1":
+            if m < p:
+                return "   —     (p-1)(T_F+T_B-T_W)/… assumes m >= p"
+            return (f"{zero_bubble_fraction(p, m, 1.0, 1 - w, w):6.1%}   (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W) "
+                    f"+ (p-1)(T_F+T_B-T_W)), T_B = {1 - w:g}·T_F, T_W = {w:g}·T_F")
+        return f"{bubble_fraction(p, m):6.1%}   (p-1)/(m+p-1) = {p - 1}/{m + p - 1}"
 
     def show(chosen):
         p, m, name, factor = chosen["stages"], chosen["microbatches"], chosen["schedule"], chosen["cost"]
+        v = chosen["chunks"] if name == "interleaved" else 1
+        w = chosen["weight"] if name == "zb-h1" else 0.5
+        controls["chunks"].layout.display = None if name == "interleaved" else "none"
+        controls["weight"].layout.display = None if name == "zb-h1" else "none"
+        if p * v > PIPELINE_LAYERS:
+            print(f"p·v = {p}·{v} = {p * v} virtual stages for a model of {PIPELINE_LAYERS} layers: each needs a "
+                  "layer at least. Choose fewer stages or chunks.")
+            return
         costs_ms = [op_ms] * (p - 1) + [op_ms * factor]
-        predicted = simulate(name, p, m, [c / 1e3 for c in costs_ms], [c / 1e3 for c in costs_ms])
-        if (p, m, name, factor) not in runs:
+        try:
+            predicted = simulate(name, p, m, [c / 1e3 for c in costs_ms], [c / 1e3 for c in costs_ms],
+                                 num_chunks=v, weight_fraction=w)
+        except ValueError as err:                       # e.g. interleaved with m not a multiple of p
+            print(f"{name} refuses this setting: {err}")
+            return
+        key = (p, m, name, factor, v, w)
+        if key not in runs:
             starting = "" if p in groups else f"starting {plural(p, 'rank')}, then "
             # every op is padded to its cost, so a step lasts the simulated makespan
             with panel.busy(f"{starting}running {plural(m, 'micro-batch', 'micro-batches')} through {p} stages, {name}…"
                             f"{about(steps * predicted.makespan)}"):
                 if p not in groups:
                     groups[p] = WorkerGroup(p, on_output=lambda *_: None)
-                runs[p, m, name, factor] = Timeline.from_results(groups[p].run(pipeline_worker, dict(
+                runs[key] = Timeline.from_results(groups[p].run(pipeline_worker, dict(
                     num_microbatches=m, schedule=name, forward_ms=costs_ms, batch_size=16, seq_len=8,
-                    steps=steps, measure_memory=False, weights=weights)))
-        timeline = runs[p, m, name, factor]
-        panel.draw(plots.pipeline_gantt(timeline, title=f"{name}, p = {p}, m = {m}: measured bubble "
-                                                        f"{timeline.bubble:.1%}"))
+                    steps=steps, measure_memory=False, weights=weights, num_layers=PIPELINE_LAYERS, num_chunks=v,
+                    weight_fraction=w)))
+        timeline = runs[key]
+        shape = f"p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+        panel.draw(plots.pipeline_gantt(timeline, title=f"{name}, {shape}: measured bubble {timeline.bubble:.1%}"))
         print(f"measured bubble {timeline.bubble:6.1%}   (mean idle fraction over the {p} ranks)")
         print(f"simulated       {predicted.bubble:6.1%}   (these op costs, instant hand-offs)")
-        print(f"formula         {bubble_fraction(p, m):6.1%}   (p-1)/(m+p-1) = {p - 1}/{m + p - 1}"
+        print(f"formula         {formula(name, p, m, v, w)}"
               + ("" if factor == 1 else ": it assumes equal stages, and these are not"))
-        print("peak micro-batches in flight per stage:", [timeline.peak_in_flight(r) for r in range(p)])
+        unit = " (chunk micro-batches: each 1/v of a stage's activations)" if v > 1 else ""
+        print(f"peak micro-batches in flight per stage{unit}:", [timeline.peak_in_flight(r) for r in range(p)])
 
     panel.redraw_on_change(show)
     panel.runs, panel.stop_ranks = runs, _stopper(groups)

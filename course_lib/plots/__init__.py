@@ -4,6 +4,7 @@ holds what every figure shares to stay readable: units from the data, plurals, l
 
 from .ddp import ddp_timeline, replica_drift, ring_all_reduce_steps, step_time_split
 from .experts import dropped_share, expert_load
+from .failures import checkpoint_waste
 from .mesh import bytes_per_axis, mesh_layout
 from .pipeline import bubble_curves, pipeline_gantt
 from .tensor_parallel import matmul_split, speed_words, tp_speed
@@ -14,4 +15,5 @@ __all__ = ["ZERO_STAGE_NAMES", "bubble_curves", "bytes_per_axis", "ddp_timeline"
            "mesh_layout", "pipeline_gantt", "predicted_vs_measured", "replica_drift", "ring_all_reduce_steps",
            "speed_words", "step_time_split", "tp_speed", "zero_explorer_figure", "zero_memory_trace", "zero_per_rank_bars",
            "zero_wire_bytes",
-           "dropped_share", "expert_load"]   # 08 · experts
+           "dropped_share", "expert_load",   # 08 · experts
+           "checkpoint_waste"]               # 10 · checkpoints and failures

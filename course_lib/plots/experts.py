@@ -9,6 +9,7 @@ from .readable import plural, settle
 
 RANK_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 DROPPED_COLOR = "tab:red"
+LABEL_BOX = dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.85)
 OFF_THE_TOP = 1.5     # a capacity line this many times above the busiest expert would squash every bar: say it
 
 
@@ -30,7 +31,7 @@ def expert_load(routing, *, title: str | None = None):
         if requested[i] > kept[i]:
             left.bar(i, requested[i] - kept[i], bottom=kept[i], color=DROPPED_COLOR, width=0.7)
         left.annotate(f"{requested[i]:,}", (i, requested[i]), xytext=(0, 2), textcoords="offset points",
-                      ha="center", fontsize=7)
+                      ha="center", fontsize=7, bbox=LABEL_BOX, zorder=4)   # over the lines, not crossed by them
     busiest = max(max(requested), 1)
     even = sum(requested) / num_experts
     left.axhline(even, ls=":", color="0.35", lw=1.2)
@@ -50,7 +51,8 @@ def expert_load(routing, *, title: str | None = None):
     per_rank, slots = routing.tokens_per_rank, experts_per_rank * capacity
     for r, tokens in enumerate(per_rank):
         right.bar(r, tokens, color=_rank_color(r), width=0.6)
-        right.annotate(f"{tokens:,}", (r, tokens), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
+        right.annotate(f"{tokens:,}", (r, tokens), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7,
+                       bbox=LABEL_BOX, zorder=4)
     right.axhline(slots, ls="--", color="black", lw=1)
     right.set(xlim=(-0.6, ep - 0.4), ylim=(0, max(max(per_rank), slots, 1) * 1.2))
     right.set_xticks(range(ep), [f"rank {r}" for r in range(ep)], fontsize=7)
@@ -59,20 +61,22 @@ def expert_load(routing, *, title: str | None = None):
     for ax in (left, right):
         ax.tick_params(axis="y", labelsize=7)
 
-    shown_ranks = min(ep, 4)
-    handles = [Rectangle((0, 0), 1, 1, color=_rank_color(r)) for r in range(shown_ranks)]
-    names = [f"kept, on rank {r}" + (" …" if ep > shown_ranks and r == shown_ranks - 1 else "")
-             for r in range(shown_ranks)]
+    # every rank named (up to 8, as many as the colours), in rows of four under both panels, inside the figure
+    handles = [Rectangle((0, 0), 1, 1, color=_rank_color(r)) for r in range(ep)]
+    names = [f"kept, on rank {r}" for r in range(ep)]
     if routing.dropped:
         handles.append(Rectangle((0, 0), 1, 1, color=DROPPED_COLOR))
         names.append(f"dropped: {routing.dropped:,}")
     handles += [Line2D([], [], ls="--", color="black", lw=1), Line2D([], [], ls=":", color="0.35", lw=1.2)]
     names += [f"slots: C = {capacity:,} per expert, {slots:,} per rank (computed, full or empty)",
               f"even share: {even:,.1f} per expert"]
-    fig.legend(handles, names, fontsize=7, loc="lower center", ncol=3, frameon=False)
+    columns = 4
+    legend_rows = -(-len(names) // columns) + 1          # the long line labels may take a row of their own
+    fig.set_figheight(fig.get_figheight() + 0.2 * legend_rows)
+    fig.legend(handles, names, fontsize=7, loc="lower center", ncol=columns, frameon=False)
     fig.suptitle(title or f"{sum(requested):,} assignments to {num_experts} experts of {capacity:,} slots: "
                           f"{routing.dropped:,} dropped", fontsize=10, x=0.02, ha="left")
-    settle(fig, left, right, tight_layout_rect=(0, 0.6 / fig.get_figheight(), 1, 1))    # room for the legend
+    settle(fig, left, right, tight_layout_rect=(0, (0.25 + 0.2 * legend_rows) / fig.get_figheight(), 1, 1))
     return fig
 
 
