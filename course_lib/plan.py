@@ -227,7 +227,9 @@ class _Questions:
         memory = memory_per_gpu(self.config, mesh, stage, workload, gpu_bytes=gpu_bytes,
                                 convention=self.convention, reserve_share=reserve_share)
         verdict = "it fits" if memory["total"] <= gpu_bytes else "it does NOT fit"
-        self.answers.append(f"with {shape} (m = {m}): that layout needs {size_text(memory['state'])} of state + "
+        self.answers.append(f"with {shape} (m = {m}; assumed: {workload.assumptions()}; state as "
+                            f"{self.convention!r}, {CONVENTIONS[self.convention].description}): that layout needs "
+                            f"{size_text(memory['state'])} of state + "
                             f"{size_text(memory['activations'])} of activations + {size_text(memory['reserve'])} reserve = "
                             f"{size_text(memory['total'])} of {size_text(gpu_bytes)}: {verdict}")
 
