@@ -439,7 +439,7 @@ def layout(dp=2, tp=8, pp=2, zero_stage=1, num_microbatches=32, **changes):
     (layout(dp=4), ["✗ ValueError: world_size 32 != dp 4 × tp 8 × pp 2 = 64"]),
     (layout(dp=4, tp=1, pp=8, num_microbatches=3), ["✗ ValueError: each dp rank's batch of 16", "num_microbatches=3"]),
     (layout(zero_stage=4), ["✗ zero_stage=4: one of 0 (DDP), 1, 2, 3"]),
-    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "ZeRO-1 is the most a pipeline takes"]),
+    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "once per micro-batch instead of once per step"]),
     (layout(dp=32, tp=1, pp=1, zero_stage=0, num_microbatches=1),
      ["✗ the busiest GPU needs state 1027.8 GiB + activations 204.4 GiB + reserve 8.0 GiB = 1240.3 GiB: 1160.3 GiB "
       "more than its 80.0 GiB", "hint: the state overflows: 1027.8 GiB where the card leaves 72.0 GiB beside its "

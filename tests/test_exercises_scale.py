@@ -31,7 +31,7 @@ def layout(**changes):
     (layout(micro_batch_size=1.5), ["✗ micro_batch_size=1.5: a whole number of sequences >= 1"]),
     (layout(micro_batch_size=3), ["✗ the 512 sequences of a step do not split into dp 2 × micro-batches of 3: "
                                   "m = B/(dp·b) = 512/6 must be a whole number"]),
-    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "ZeRO-1 is the most a pipeline takes"]),
+    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "once per micro-batch instead of once per step"]),
     (layout(dp=8, tp=1, pp=8, micro_batch_size=64), ["✗ PP 8 stages > 1 micro-batches: the bubble is 88%"]),
 ], ids=["unfinished", "not-a-dict", "missing-key", "misspelt-key", "wrong-size", "tp-over-kv-heads", "no-such-stage",
         "no-such-recompute", "sp-not-bool", "fractional-micro-batch", "uneven-batch", "zero3-pipeline",
