@@ -467,18 +467,19 @@ def test_check_3d_layout_refuses_the_old_answer_whose_activations_do_not_fit(cap
             "leave 29.7 GiB, 13.5 GiB too much. They shrink with smaller micro-batches (b = 2 sequences now")
     without_sp = replace(exercises_layout.WORKLOAD, sequence_parallel=False)
     verdict(capsys, exercises.check_3d_layout(layout(), workload=without_sp), False,
-            "activations 30.5 GiB + reserve 8.0 GiB = 80.8 GiB", "hint: the activations overflow",
+            "activations 30.5 GiB + reserve 8.0 GiB = 80.8 GiB",
+            "the activations overflow: 30.5 GiB where the state and the reserve leave 29.7 GiB",
             "They shrink with sequence parallelism")
     verdict(capsys, exercises.check_3d_layout(layout()), True, "72.0 GiB of 80.0 GiB")
 
 
 def test_check_3d_layout_names_the_larger_part_first(capsys):
-    """dp 4 × tp 8 × pp 1 with ZeRO-1 holds 59.2 GiB of state beside 27.4 GiB of activations: the hint names the
+    """dp 4 × tp 8 × pp 1 with ZeRO-1 holds 59.2 GiB of state beside 22.4 GiB of activations: the hint names the
     state first, with what shards it, and does not offer full recomputation as if it were one of the choices.
     Its own suggestion, ZeRO-3 over the same dp, fits."""
     shown = verdict(capsys, exercises.check_3d_layout(layout(dp=4, pp=1, num_microbatches=16)), False,
-                    "state 59.2 GiB + activations 27.4 GiB + reserve 8.0 GiB = 94.6 GiB",
-                    "hint: the state is the larger part: 59.2 GiB beside 27.4 GiB of activations, 14.6 GiB too much "
+                    "state 59.2 GiB + activations 22.4 GiB + reserve 8.0 GiB = 89.6 GiB",
+                    "hint: the state is the larger part: 59.2 GiB beside 22.4 GiB of activations, 9.6 GiB too much "
                     "together. Shard the state more: a higher ZeRO stage over dp 4",
                     "full recomputation alone (not one of the choices here)")
     assert shown.index("Shard the state") < shown.index("the activations overflow")
