@@ -41,6 +41,8 @@ class Workload:
     global_batch_size: int = 1024
     recompute: str = "selective"
     sequence_parallel: bool = False
+    vocab_parallel: bool = False      # embedding, head and loss split over TP (course_lib.vocab_parallel)
+    fused_norm: bool = True           # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
 
     def __post_init__(self):
         check_whole("micro_batch_size", self.micro_batch_size)
@@ -52,6 +54,13 @@ class Workload:
         if self.micro_batch_size < 1 or self.global_batch_size < self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and <= global_batch_size="
                              f"{self.global_batch_size}")
+
+    def assumptions(self) -> str:
+        """What the memory counted for this workload assumes, in words (the planner prints it)."""
+        return (f"{self.recompute} recomputation, sequence parallelism {'on' if self.sequence_parallel else 'off'}, "
+                f"vocabulary {'split over TP' if self.vocab_parallel else 'whole on every TP rank'}, "
+                + ("fused-kernel RMSNorm (its input and an fp32 rstd per token)" if self.fused_norm else
+                   "RMSNorm as F.rms_norm on the CPU (fp32 copies of its input and of x·rstd)"))
 
     def num_microbatches(self, dp: int) -> int | None:
         """m = B / (dp · b), or None if the global batch does not split into whole micro-batches."""
@@ -106,12 +115,13 @@ def tp_splits_heads(config, tp: int) -> bool:
 
 
 def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
-                  pp_stage: int | None = None) -> dict[str, int]:
+                  pp_stage: int | None = None, vocab_parallel: bool = False) -> dict[str, int]:
     """Training state on the fullest GPU of ``mesh`` (or on a GPU of pipeline stage ``pp_stage``) with
     ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
     (per_rank.data_parallel_state_bytes)."""
     stages = range(mesh.pp) if pp_stage is None else [pp_stage]
-    return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param)
+    return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param,
+                                          vocab_parallel=vocab_parallel)
                 for s in stages), key=lambda state: state["total"])
 
 
@@ -140,11 +150,12 @@ def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, g
     dtype = torch.bfloat16 if CONVENTIONS[convention].weight_bytes == 2 else torch.float32
     stages = []
     for stage in range(mesh.pp):
-        state = state_per_gpu(config, mesh, zero_stage, convention, stage)["total"]
+        state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel)["total"]
         state += gathered_layer_bytes(config, mesh.tp, convention) if zero_stage == 3 else 0
         activations = activation_bytes_per_rank(
             config, mesh, stage, micro_batch_size=workload.micro_batch_size, seq_len=seq_len, num_microbatches=m,
-            dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel)["peak"]
+            dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
+            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm)["peak"]
         stages.append({"state": state, "activations": activations})
     busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
     reserve = int(reserve_share * gpu_bytes)
@@ -192,7 +203,7 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
                              num_microbatches=m, recompute=workload.recompute, zero_stage=stage,
                              sequence_parallel=workload.sequence_parallel, dp_overlap=dp_overlap,
                              gpus_per_node=gpus_per_node, bytes_per_element=CONVENTIONS[convention].weight_bytes,
-                             grad_bytes=CONVENTIONS[convention].grad_bytes)
+                             grad_bytes=CONVENTIONS[convention].grad_bytes, vocab_parallel=workload.vocab_parallel)
             layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time)
             if layout.fits or stage == stages[-1]:
                 break                        # the lowest ZeRO stage that fits: least traffic

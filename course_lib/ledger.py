@@ -55,8 +55,10 @@ derives its bytes term by term from what each operation saves in torch 2.13 (d =
 n_h = heads, h_d = head_dim, V = vocabulary, e = bytes per activation value, 2 in bf16/fp16 and 4 in fp32):
 
     per layer (× L):
-      attn_norm, mlp_norm   2 × (2·bsd·4 + bs·4)   RMSNorm works in fp32: its input and x·rstd (both fp32
-                                                   copies in 16-bit training), and rstd
+      attn_norm, mlp_norm   2 × (bsd·e + bs·4)     RMSNorm as a fused kernel saves it (model.FusedRMSNorm): its
+                                                   input in its own dtype and one fp32 rstd per token.
+                                                   fused_norm=False: F.rms_norm as the CPU runs it, a composite
+                                                   saving an fp32 copy of x and x·rstd: 2·bsd·4 + bs·4
       attn.q_proj           bsd·e                  the normed x, one storage shared by q, k, v projections
       attn                  4·bsd·e + b·n_h·s·4    SDPA keeps q, k, v (k, v already repeated to n_h heads: GQA
                             + 4·s·(h_d/2)·4        saves nothing here), its output (which o_proj reuses) and
@@ -66,11 +68,19 @@ n_h = heads, h_d = head_dim, V = vocabulary, e = bytes per activation value, 2 i
       mlp.down_proj         bsI·e                  silu(gate)·up
     once:
       embed                 bs·8                   the token ids (int64)
-      norm, head            2·bsd·4 + bs·4, bsd·e  final RMSNorm as above; the head's input
+      norm, head            bsd·e + bs·4, bsd·e    final RMSNorm as above; the head's input
       loss                  bsV·4 + bs·8 + 4       fp32 log-probabilities, target ids, cross-entropy's
                                                    weight sum
 
-Only the rotary tables and the 4-byte weight sum do not grow with the batch. These bytes are measured
+Only the rotary tables and the 4-byte weight sum do not grow with the batch.
+
+Activation checkpointing (course_lib.checkpointing, torch.utils.checkpoint) changes what a layer keeps:
+
+    recompute="selective"   the attention core (GQA's repeat, SDPA) keeps only its inputs q, k, v, with k and v
+                            at n_kv heads: attn = (bsd + 2·b·s·n_kv·h_d)·e + rotary tables; its output,
+                            o_proj's input, is saved by o_proj (bsd·e); the log-sum-exp is recomputed
+    recompute="full"        a layer keeps its input, bsd·e (/ t under sequence parallelism); backward reruns
+                            one layer at a time, so the peak adds one layer's own terms These bytes are measured
 exactly by `SavedActivations`, which counts the tensors autograd saves (torch.autograd.graph.
 saved_tensors_hooks), each storage once, leaving out parameters and views of parameters (a Linear saves
 weight.t(), which is a view of the weight, not new memory).
@@ -239,17 +249,25 @@ PREDICTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # L layers, n_h heads, h_d head_dim, V vocabulary, e bytes per value) and what is saved.
 GPT_ACTIVATION_TERMS = {
     "embed": ("b·s·8", "token ids (int64)"),
-    "attn_norm": ("L·(2·bsd·4 + bs·4)", "RMSNorm, in fp32: its input, x·rstd, and rstd"),
+    "attn_norm": ("L·(bsd·e + bs·4)", "RMSNorm (fused): its input, and one fp32 rstd per token"),
     "attn.q_proj": ("L·bsd·e", "normed x, one storage for the q, k, v projections"),
     "attn": ("L·(4·bsd·e + b·n_h·s·4 + 8·s·h_d)", "SDPA's q, k, v, output, log-sum-exp; rotary cos/sin"),
-    "mlp_norm": ("L·(2·bsd·4 + bs·4)", "RMSNorm, in fp32: its input, x·rstd, and rstd"),
+    "mlp_norm": ("L·(bsd·e + bs·4)", "RMSNorm (fused), as above"),
     "mlp.gate_proj": ("L·bsd·e", "normed x, one storage for the gate and up projections"),
     "mlp": ("L·3·bsI·e", "gate and up outputs, silu(gate)"),
     "mlp.down_proj": ("L·bsI·e", "silu(gate)·up"),
-    "norm": ("2·bsd·4 + bs·4", "final RMSNorm, as above"),
+    "norm": ("bsd·e + bs·4", "final RMSNorm, as above"),
     "head": ("bsd·e", "normed x"),
     "loss": ("bsV·4 + bs·8 + 4", "fp32 log-probabilities, target ids, weight sum"),
 }
+
+
+def rms_norm_bytes(batch_size: int, seq_len: int, hidden: int, dtype=torch.float32, fused: bool = True) -> int:
+    """Bytes one RMSNorm saves for backward on [batch, seq, hidden] in ``dtype``: fused (model.FusedRMSNorm, as
+    torch's CUDA kernel), its input in its own dtype and an fp32 rstd per token, b·s·d·e + b·s·4; decomposed
+    (F.rms_norm on the CPU), an fp32 copy of the input and of x·rstd, and rstd, 2·b·s·d·4 + b·s·4."""
+    tokens, e = batch_size * seq_len, torch.tensor([], dtype=dtype).element_size()
+    return tokens * hidden * (e if fused else 2 * 4) + tokens * 4
 
 
 def _check_activation_shape(config, batch_size, seq_len, dtype) -> tuple[int, int, int]:
@@ -264,7 +282,8 @@ def _check_activation_shape(config, batch_size, seq_len, dtype) -> tuple[int, in
 
 
 def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, tp: int = 1,
-                               sequence_parallel: bool = False) -> dict[str, int]:
+                               sequence_parallel: bool = False, *, recompute: str = "none",
+                               fused_norm: bool = True) -> dict[str, int]:
     """One layer's terms of gpt_activation_bytes on one of ``tp`` tensor-parallel ranks (course_lib.
     tensor_parallel). What works on this rank's heads or MLP slice divides by tp: SDPA's q, k, v, output and
     log-sum-exp, the MLP's gate, up, silu(gate) and product. What TP keeps whole stays whole: the two norms and
@@ -274,23 +293,36 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
     ``sequence_parallel`` (apply_tp(..., sequence_parallel=True)): the two norms work on s/tp tokens, / tp. The
     normed x that the column projections save stays whole: it is the all-gather's output, b·s·d on every rank
     (Megatron-LM saves the slice and all-gathers it again in backward; Korthikanti's 34/t assumes that). So
-    per layer the course saves 2·bsd·e more than "everything / tp" would. Exact for torch 2.13 on CPU (the
-    virtual cluster and tests/test_tensor_parallel.py measure it)."""
+    per layer the course saves 2·bsd·e more than "everything / tp" would.
+
+    ``recompute`` (course_lib.checkpointing): "selective", the attention core keeps q, k, v (k and v at their
+    n_kv heads) and o_proj saves its output; "full", {"layer input": b·s·d·e (/ tp under SP)}: what the layer
+    keeps while backward has not reached it. ``fused_norm`` False: the norms as F.rms_norm decomposed saves them
+    (rms_norm_bytes). Exact for torch 2.13 on CPU (the virtual cluster and the tests measure it)."""
     b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
     _count("tp", tp, minimum=1)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     if config.num_heads % tp or config.intermediate % tp:
         raise ValueError(f"num_heads={config.num_heads} and intermediate={config.intermediate} must both divide "
                          f"by tp={tp}: each rank keeps whole heads and an equal slice of the MLP")
     if sequence_parallel and s % tp:
         raise ValueError(f"seq_len={s} is not divisible by tp={tp}: sequence parallelism gives each rank s/tp tokens")
-    d, inter, heads = config.hidden, config.intermediate, config.num_heads
+    d, inter, heads, kv_width = config.hidden, config.intermediate, config.num_heads, config.num_kv_heads * config.head_dim
     f32 = 4
     sequence_split = tp if sequence_parallel else 1      # the norms: whole under plain TP, s/tp tokens under SP
-    rms_norm = (2 * b * s * d * f32 + b * s * f32) // sequence_split   # fp32 input and x·rstd, and rstd
+    if recompute == "full":
+        return {"layer input": b * s * d * e // sequence_split}
+    rms_norm = rms_norm_bytes(b, s, d, dtype, fused_norm) // sequence_split
+    rotary = 4 * s * (config.head_dim // 2) * f32
+    if recompute == "selective":    # q (n_h heads), k and v (n_kv heads) kept; SDPA's output saved by o_proj
+        attention = {"attn": b * s * (d + 2 * kv_width) * e // tp + rotary, "attn.o_proj": b * s * d * e // tp}
+    else:
+        attention = {"attn": (4 * b * s * d * e + b * heads * s * f32) // tp + rotary}
     return {
         "attn_norm": rms_norm,
         "attn.q_proj": b * s * d * e,                    # the (gathered) whole normed x, even under SP
-        "attn": (4 * b * s * d * e + b * heads * s * f32) // tp + 4 * s * (config.head_dim // 2) * f32,
+        **attention,
         "mlp_norm": rms_norm,
         "mlp.gate_proj": b * s * d * e,
         "mlp": 3 * b * s * inter * e // tp,
@@ -298,29 +330,48 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
     }
 
 
+def recomputed_layer_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, tp: int = 1,
+                           sequence_parallel: bool = False, *, recompute: str = "full", fused_norm: bool = True) -> int:
+    """What backward's rerun of one checkpointed piece saves beyond what the checkpoint holds (checkpointing.
+    RecomputeMeter measures it), held while backward goes through that piece: the peak adds it once.
+
+    "full", a layer: its own terms (gpt_layer_activation_bytes) less its input, which the norm saves and the
+    checkpoint already keeps (F.rms_norm decomposed saves an fp32 copy instead, except in fp32). "selective", an
+    attention core: SDPA's repeated k and v, its output and log-sum-exp, (3·b·s·d·e + b·n_h·s·4) / tp (q, the
+    core's input, is kept). "none": 0."""
+    b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
+    if recompute == "selective":
+        return (3 * b * s * config.hidden * e + b * config.num_heads * s * 4) // tp
+    if recompute != "full":
+        return 0
+    layer = gpt_layer_activation_bytes(config, b, s, dtype, tp, sequence_parallel, fused_norm=fused_norm)
+    layer_input = gpt_layer_activation_bytes(config, b, s, dtype, tp, sequence_parallel,
+                                             recompute="full")["layer input"]
+    shared = fused_norm or e == 4
+    return sum(layer.values()) - (layer_input if shared else 0)
+
+
 def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32,
-                         recompute: str = "none") -> dict[str, int]:
+                         recompute: str = "none", *, fused_norm: bool = True) -> dict[str, int]:
     """Bytes that one forward of the course's GPT (course_lib.model) plus its loss saves for backward.
 
     Returns the terms of the module docstring, keyed by the module that saves them (layer terms summed
     over all layers), and "total". Exact for torch 2.13 on CPU; batch_size=0 gives the part that does not
-    grow with the batch (rotary tables, one scalar). recompute="full" is the peak of checkpointing every
-    layer: each layer's input kept, plus one layer's own terms while backward recomputes it.
+    grow with the batch (rotary tables, one scalar). recompute (course_lib.checkpointing.apply_checkpointing):
+    "selective" checkpoints each attention core; "full" keeps each layer's input. With either, the total is the
+    peak: plus what one rerun (a core, a layer) saves while backward recomputes it ("one layer, recomputed",
+    recomputed_layer_bytes).
     """
     b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
-    if recompute not in ("none", "full"):
-        raise ValueError(f"recompute={recompute!r}: the course model's prediction has 'none' and 'full' (SDPA "
-                         "already recomputes the attention scores: that is 'selective' built in)")
     d, L = config.hidden, config.num_layers
     f32, i64 = 4, 8
-    layer = gpt_layer_activation_bytes(config, b, s, dtype)
+    layer = gpt_layer_activation_bytes(config, b, s, dtype, recompute=recompute, fused_norm=fused_norm)
     terms = {"embed": b * s * i64}
-    if recompute == "none":
-        terms.update({name: L * nbytes for name, nbytes in layer.items()})
-    else:
-        terms["layer inputs (checkpoints)"] = L * b * s * d * e
-        terms["one layer, recomputed"] = sum(layer.values())
-    terms["norm"] = layer["attn_norm"]                   # an RMSNorm like the layers' own
+    terms.update({name: L * nbytes for name, nbytes in layer.items()})
+    if recompute != "none":
+        terms["one layer, recomputed"] = recomputed_layer_bytes(config, b, s, dtype, recompute=recompute,
+                                                                fused_norm=fused_norm)
+    terms["norm"] = rms_norm_bytes(b, s, d, dtype, fused_norm)   # an RMSNorm like the layers' own
     terms["head"] = b * s * d * e
     terms["loss"] = b * s * config.vocab_size * f32 + b * s * i64 + f32
     terms["total"] = sum(terms.values())

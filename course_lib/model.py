@@ -80,13 +80,61 @@ class ModelConfig:
         return self.hidden // self.num_heads
 
 
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm over the last dimension, forward and backward by hand, saving what a fused kernel saves.
+
+    Forward, per token (a row x of d values), in at least float32 (c = the computation dtype):
+        r = 1 / sqrt(mean(x²) + eps)          the reciprocal RMS, "rstd": one number per token
+        y = (x·r) ⊙ w                          cast back to x's dtype
+    Backward, with x̂ = x·r and g = dy ⊙ w:
+        dw = Σ_tokens dy ⊙ x̂
+        dx = r · (g - x̂ · mean(g ⊙ x̂))       (d/dx of x·r(x): r·I - r³·x xᵀ/d, applied to g)
+    Saved for backward: x in its own dtype, w (a parameter: no new memory) and r in c, so b·s·d·e + b·s·4
+    bytes in 16-bit or fp32 training. torch's fused kernel saves exactly these: derivatives.yaml (torchgen/
+    packaged/autograd) gives `_fused_rms_norm` (CUDA, MPS, XPU) the backward `_fused_rms_norm_backward(grad,
+    input, normalized_shape, result1, weight, ...)`, and the generated FusedRmsNormBackward0 (torch/include/
+    torch/csrc/autograd/generated/Functions.h) holds input_, weight_ and result1_ (rstd); torch/_decomp/
+    decompositions.py writes out the same maths. Apex's and Transformer Engine's kernels save the same.
+    ``F.rms_norm`` on the CPU runs a composite of small ops instead (rms_norm_composite: no fused kernel there),
+    each saving its own input: an fp32 copy of x, rstd and x·r in fp32, 2·b·s·d·4 + b·s·4 bytes (notebook 01).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        compute = torch.promote_types(x.dtype, torch.float32)     # float64 stays float64
+        x_c = x.to(compute)
+        rstd = torch.rsqrt(x_c.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x_c * rstd * weight.to(compute)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        x_hat = x.to(compute) * rstd
+        g = grad.to(compute) * weight.to(compute)
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        grad_w = (grad.to(compute) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension, as a fused kernel computes and saves it (FusedRMSNorm)."""
+    return FusedRMSNorm.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``fused`` (the default): FusedRMSNorm, what GPU training runs. False: torch's ``F.rms_norm``, which on
+    the CPU is a composite of small ops saving fp32 copies (the same values: float64 parity, tests/test_model.py)."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -124,12 +172,18 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(batch, seq, -1, self.head_dim), self.rope_theta)
         k = apply_rope(self.k_proj(x).view(batch, seq, -1, self.head_dim), self.rope_theta)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        return self.o_proj(self.core(q, k, v))
+
+    def core(self, q, k, v):
+        """The attention core, q, k, v [batch, seq, heads, head_dim] → [batch, seq, heads·head_dim]: what
+        selective recomputation reruns (course_lib.checkpointing)."""
+        batch, seq = q.shape[:2]
         # Grouped-query attention: query heads [g·i, g·(i+1)) all read key/value head i.
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)               # [batch, heads, seq, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class Block(nn.Module):

@@ -12,8 +12,9 @@ this order, so that each sees the model it expects:
 2. TP   ``apply_tp`` over "tp" (``sequence_parallel``: Megatron's SP). The first of torchtitan's
         parallelize_llama.
 3. EP   ``apply_ep`` over "ep": each MoE keeps its E/ep experts (torchtitan applies EP with TP).
-4. activation checkpointing: its hook point, after the layers are split and before they are cut into stages
-        and wrapped (torchtitan: after TP, before FSDP). The course code has none yet: refused, by name.
+4. activation checkpointing: ``apply_checkpointing`` ("full": each block, "selective": each attention core;
+        course_lib.checkpointing), after the layers are split and before they are cut into stages and wrapped
+        (torchtitan: after TP, before FSDP): a recomputed block reruns its TP collectives as they ran.
 5. PP   ``make_stage``: this rank keeps its stage's layers (``num_chunks`` v > 1: its v chunks, each a copy made
         before steps 1-4, as make_stage's own copies are). torchtitan cuts first and parallelizes each stage; the
         course's apply_* walk every layer of a whole model, so the cut comes after them: the same pieces.
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .checkpointing import apply_checkpointing
 from .comm import Comm
 from .context_parallel import apply_context_parallel
 from .ddp import NaiveDDP
@@ -56,8 +58,8 @@ class Parallelism:
     """How to parallelize, beyond the mesh's degrees: each option of the six steps (module docstring).
 
     zero_stage: None (NaiveDDP), 0-3 (ZeroDataParallel; HSDP meshes: 3). sequence_parallel: Megatron's SP with
-    TP. vocab_parallel, activation_checkpointing (None, "selective", "full"): their places are here, the course
-    code does not run them yet (refused). num_chunks: v, interleaved schedules. schedule, num_microbatches: the
+    TP. vocab_parallel: embedding, head and loss split by vocabulary over TP (apply_tp's). activation_checkpointing:
+    None, "selective" or "full" (checkpointing.apply_checkpointing). num_chunks: v, interleaved schedules. schedule, num_microbatches: the
     pipeline's (checked here, run by Parallelized.forward_backward). data_parallel=False: no wrapper, gradients
     stay local (the virtual cluster with ep > 1, where no wrapper averages over two groups yet).
     """
@@ -100,14 +102,8 @@ class Parallelism:
         if self.sequence_parallel and seq_len is not None and seq_len % mesh.tp:
             found.append(f"seq_len={seq_len} is not divisible by tp={mesh.tp}: sequence parallelism gives each rank "
                          "seq_len/tp tokens")
-        if self.vocab_parallel:
-            found.append("vocab_parallel=True: the course's apply_tp keeps the embedding and head whole (not yet "
-                         "split over TP)")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             found.append(f"activation_checkpointing={self.activation_checkpointing!r}: one of None, selective, full")
-        elif self.activation_checkpointing is not None:
-            found.append(f"activation_checkpointing={self.activation_checkpointing!r}: the course code does not "
-                         "checkpoint activations yet (its place is step 4 of parallelize)")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             found.append(f"num_chunks={self.num_chunks!r} must be a whole number >= 1")
         elif self.num_chunks > 1 and mesh.pp * self.num_chunks > config.num_layers:
@@ -168,10 +164,11 @@ def parallelize(model: nn.Module, mesh: Mesh, comms: dict[str, Comm], rank: int,
         if mesh.cp > 1:                                                     # 1. CP
             apply_context_parallel(chunk, comms["cp"])
         if mesh.tp > 1:                                                     # 2. TP (+SP)
-            apply_tp(chunk, comms["tp"], sequence_parallel=options.sequence_parallel)
+            apply_tp(chunk, comms["tp"], sequence_parallel=options.sequence_parallel,
+                     vocab_parallel=options.vocab_parallel)
         if mesh.ep > 1:                                                     # 3. EP
             apply_ep(chunk, comms["ep"])
-        # 4. activation checkpointing: refused by options.check until the course code has it
+        apply_checkpointing(chunk, options.activation_checkpointing or "none")   # 4. activation checkpointing
         chunks.append(make_stage(chunk, c * mesh.pp + where["pp"], parts))   # 5. PP
     stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
     return Parallelized(stage, _data_parallel(stage, mesh, comms, options, optimizer_kwargs or {}), comms, options)

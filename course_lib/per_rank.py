@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from .comm import wire_bytes
 from .context_parallel import ring_attention_activation_bytes, ring_attention_bytes
 from .experts import all_to_all_bytes
 from .hsdp import hsdp_wire_bytes_per_step
-from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, zero_state_bytes
+from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, recomputed_layer_bytes, zero_state_bytes
 from .mesh import Mesh
 from .model import layer_projection_params
 from .pipeline_parallel import partition_layers
-from .tensor_parallel import tp_allreduce_bytes
+from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
+from .vocab_parallel import vocab_parallel_activation_bytes, vocab_parallel_traffic
 from .zero import wire_bytes_per_step
 
 
@@ -60,30 +60,33 @@ def expert_params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1) 
     return layers * _expert_mlp_params(config) // mesh.ep // mesh.tp
 
 
-def params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> int:
+def params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1, vocab_parallel: bool = False) -> int:
     """Parameters held by one rank of pipeline stage ``stage``: its layers' matrices / tp (TP splits every
     projection of attention and MLP), E/ep of a mixture's experts, its layers' norms whole, plus the embedding on
     the first stage and the final norm and head on the last (none of which TP splits here). Exact for the course
     model; a tied head is the embedding itself when one stage holds both, and a copy of it on the last stage
     otherwise. CP splits the sequence, not the weights: every rank of a CP group holds the same. ``num_chunks``
-    v > 1: the layers of its v chunks (layers_per_rank); the embedding and head stay on the first and last stage."""
+    v > 1: the layers of its v chunks (layers_per_rank); the embedding and head stay on the first and last stage.
+    ``vocab_parallel`` (apply_tp(..., vocab_parallel=True)): embedding and head hold V/tp rows each."""
     count = layers_per_rank(config, mesh, stage, num_chunks) * layer_params(config, mesh.tp, mesh.ep)
+    table = config.vocab_size * config.hidden // (mesh.tp if vocab_parallel else 1)
     if stage == 0:
-        count += config.vocab_size * config.hidden
+        count += table
     if stage == mesh.pp - 1:
         count += config.hidden
         if not (config.tie_embeddings and mesh.pp == 1):
-            count += config.vocab_size * config.hidden
+            count += table
     return count
 
 
 # ------------------------------------------------------------------------------ data parallelism, once
 
-def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> list[tuple[int, int, int]]:
+def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1,
+                        vocab_parallel: bool = False) -> list[tuple[int, int, int]]:
     """This rank's parameters as (count, shard group size, replicas), one entry per group that averages them
     (module docstring): the dense part over the dp_shard·cp ranks that hold it (dp·cp unless HSDP), replicated
     dp_replicate times; a mixture's experts over their dp·cp/ep ranks (expert_dp)."""
-    params = params_per_rank(config, mesh, stage, num_chunks)
+    params = params_per_rank(config, mesh, stage, num_chunks, vocab_parallel)
     experts = expert_params_per_rank(config, mesh, stage, num_chunks)
     parts = [(params - experts, mesh.dp_shard * mesh.cp, mesh.dp_replicate)]
     if experts:
@@ -92,18 +95,19 @@ def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> 
 
 
 def data_parallel_state_bytes(config, mesh: Mesh, stage: int, zero_stage: int, *, weight_bytes: int = 2,
-                              grad_bytes: int = 2, optimizer_bytes: int = 12, num_chunks: int = 1) -> dict[str, int]:
+                              grad_bytes: int = 2, optimizer_bytes: int = 12, num_chunks: int = 1,
+                              vocab_parallel: bool = False) -> dict[str, int]:
     """Training state on one rank of pipeline stage ``stage``: {"weights", "grads", "optimizer", "total"},
     ledger.zero_state_bytes of each data_parallel_parts entry over its own shard group, added. HSDP
     (dp_replicate > 1) is ZeRO-3 inside a replica: pass zero_stage=3. No ZeRO padding (zero.padded_num_params)."""
     states = [zero_state_bytes(count, zero_stage, group, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                                optimizer_bytes=optimizer_bytes)
-              for count, group, _ in data_parallel_parts(config, mesh, stage, num_chunks)]
+              for count, group, _ in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel)]
     return {part: sum(state[part] for state in states) for part in states[0]}
 
 
 def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                          accumulation_steps: int = 1, num_chunks: int = 1) -> list[dict]:
+                          accumulation_steps: int = 1, num_chunks: int = 1, vocab_parallel: bool = False) -> list[dict]:
     """What one rank of ``stage`` sends per optimizer step to average its gradients (ZeRO 1-3: and gather its
     weights), group by group: [{"group", "size", "span", "ops"}]. "group" names the mesh's group ("dp_cp",
     "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
@@ -113,7 +117,7 @@ def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, gr
     ZeRO-3 gathers, in each of them)."""
     replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
     traffic = []
-    for count, group, replicas in data_parallel_parts(config, mesh, stage, num_chunks):
+    for count, group, replicas in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel):
         if replicas > 1:
             if zero_stage != 3:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
@@ -131,12 +135,14 @@ def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, gr
 
 
 def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                                 accumulation_steps: int = 1, num_chunks: int = 1) -> dict[str, float]:
+                                 accumulation_steps: int = 1, num_chunks: int = 1,
+                                 vocab_parallel: bool = False) -> dict[str, float]:
     """data_parallel_traffic's bytes by op, over all its groups: what one rank sends per optimizer step to
     average its gradients."""
     total: dict[str, float] = {}
     for part in data_parallel_traffic(config, mesh, stage, zero_stage, grad_bytes=grad_bytes,
-                                      accumulation_steps=accumulation_steps, num_chunks=num_chunks):
+                                      accumulation_steps=accumulation_steps, num_chunks=num_chunks,
+                                      vocab_parallel=vocab_parallel):
         for op, nbytes in part["ops"].items():
             total[op] = total.get(op, 0) + nbytes
     return total
@@ -145,7 +151,7 @@ def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int
 def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_len: int, num_microbatches: int,
                         bytes_per_element: int = 4, sequence_parallel: bool = False,
                         capacity_factor: float | None = None, zero_stage: int = 0,
-                        num_chunks: int = 1) -> dict[str, float]:
+                        num_chunks: int = 1, recompute: str = "none", vocab_parallel: bool = False) -> dict[str, float]:
     """Bytes one rank of ``stage`` sends in one training step, per axis (ring algorithms, as comm.wire_bytes):
 
     * tp: 4 all-reduces per layer and micro-batch (2 forward, 2 backward), each of one activation
@@ -162,26 +168,37 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
       this rank's (batch/dp/m)·(seq/cp) tokens (experts.all_to_all_bytes; ``capacity_factor`` as the MoE's).
 
     ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
-    becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes; Megatron's stages pass 1/tp
-    of the sequence, a/tp (the course's pipeline_step passes whole activations: the virtual cluster says so).
+    becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes, plus the stack's ends and the
+    norms' weights (tensor_parallel.tp_step_traffic); the stages pass 1/tp of the sequence, a/tp.
+    ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic) and each layer's
+    ring (cp). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
     """
     mesh.check_sequence(seq_len)
     micro_batch, local_seq = batch_size // mesh.dp // num_microbatches, seq_len // mesh.cp
     activation = tp_allreduce_bytes(micro_batch, local_seq, config.hidden, bytes_per_element)
     layers = layers_per_rank(config, mesh, stage, num_chunks)
-    tp = 4 * layers * num_microbatches * wire_bytes("all_reduce", activation, mesh.tp)
+    tp = 0
+    if mesh.tp > 1:
+        tp = num_microbatches * tp_step_traffic(config, micro_batch, local_seq, mesh.tp, bytes_per_element,
+                                                sequence_parallel, layers, stage, mesh.pp, recompute)["wire_bytes_per_rank"]
+        if vocab_parallel:
+            tp += num_microbatches * vocab_parallel_traffic(micro_batch, local_seq, config.hidden, bytes_per_element,
+                                                            mesh.tp, first_stage=stage == 0,
+                                                            last_stage=stage == mesh.pp - 1)["wire_bytes_per_rank"]
     boundary = activation // mesh.tp if sequence_parallel else activation
     last = mesh.pp * num_chunks - 1
     hand_offs = sum((c * mesh.pp + stage < last) + (c * mesh.pp + stage > 0) for c in range(num_chunks))
     pp = num_microbatches * boundary * hand_offs
     dp = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=bytes_per_element,
-                                      accumulation_steps=num_microbatches, num_chunks=num_chunks)
+                                      accumulation_steps=num_microbatches, num_chunks=num_chunks,
+                                      vocab_parallel=vocab_parallel)
     sent = {"tp": tp, "pp": pp, "dp": sum(dp.values())}
     if mesh.cp > 1:
         dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
         ring = ring_attention_bytes(micro_batch, config.num_kv_heads // mesh.tp, seq_len, config.head_dim, mesh.cp,
                                     dtype)
-        sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"])
+        rerun = ring["forward"] if recompute == "full" else 0        # a recomputed layer runs its ring again
+        sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"] + rerun)
     if mesh.ep > 1:
         one = all_to_all_bytes(micro_batch * local_seq, config.hidden, config.num_experts, config.top_k,
                                capacity_factor, mesh.ep, bytes_per_element)
@@ -217,33 +234,41 @@ def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, t
 
 def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
                               num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
-                              recompute: str = "selective", sequence_parallel: bool = False) -> dict[str, int]:
+                              recompute: str = "selective", sequence_parallel: bool = False,
+                              vocab_parallel: bool = False, fused_norm: bool = True) -> dict[str, int]:
     """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
 
-    One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks), plus the token
-    ids on the first stage and the final norm, head and loss on the last (ledger.gpt_activation_bytes). The
-    peak holds ``in_flight`` of them (microbatches_in_flight). recompute "none" and "selective" are the same
-    for the course model (SDPA never stores the s×s scores); "full" keeps each layer's input (b·s·d·e, /tp
-    with sequence parallelism) per micro-batch in flight, plus one layer's own terms while backward recomputes
-    it. With cp > 1 each rank holds s/cp tokens: every term at s/cp, attention's as
-    context_parallel_layer_terms. Exact for the course's code in torch 2.13 (the virtual cluster measures it;
-    a dense MLP: a mixture of experts' layer has no formula here).
+    One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks, with
+    ``recompute``: course_lib.checkpointing's "selective" keeps q, k, v of each attention core, "full" each
+    layer's input), plus the token ids on the first stage and the final norm, head and loss on the last
+    (ledger.gpt_activation_bytes; ``vocab_parallel``: the split embedding's and loss's, vocab_parallel.
+    vocab_parallel_activation_bytes). The peak holds ``in_flight`` of them (microbatches_in_flight), plus what one
+    rerun saves while backward recomputes it (ledger.recomputed_layer_bytes). With cp > 1 each rank holds s/cp
+    tokens: every term at s/cp, attention's as context_parallel_layer_terms ("full" only: selective would rerun
+    the ring). ``fused_norm`` False: the norms as F.rms_norm on the CPU saves them (ledger.rms_norm_bytes).
+    Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
+    mixture of experts' layer has no formula here).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
     mesh.check_sequence(seq_len)
     b, s, num_layers = micro_batch_size, seq_len // mesh.cp, len(partition_layers(config.num_layers, mesh.pp)[stage])
-    terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel)
-    if mesh.cp > 1:
+    terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, fused_norm=fused_norm,
+                                       recompute="none" if mesh.cp > 1 and recompute == "selective" else recompute)
+    if mesh.cp > 1 and recompute != "full":
         terms.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
-    layer = sum(terms.values())
-    whole = gpt_activation_bytes(config, b, s, dtype)
-    edges = (whole["embed"] if stage == 0 else 0) + (
-        whole["norm"] + whole["head"] + whole["loss"] if stage == mesh.pp - 1 else 0)
+    whole = gpt_activation_bytes(config, b, s, dtype, fused_norm=fused_norm)
+    embed, loss = whole["embed"], whole["loss"]
+    if vocab_parallel and mesh.tp > 1:
+        split = vocab_parallel_activation_bytes(b, s, config.vocab_size, mesh.tp)
+        embed, loss = split["embed"], split["loss"]
+    edges = (embed if stage == 0 else 0) + (whole["norm"] + whole["head"] + loss if stage == mesh.pp - 1 else 0)
     in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
-    if recompute == "full":
-        layer_input = b * s * config.hidden * torch.tensor([], dtype=dtype).element_size()
-        per_microbatch = num_layers * layer_input // (mesh.tp if sequence_parallel else 1) + edges
-        return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + layer}
-    per_microbatch = num_layers * layer + edges
-    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch}
+    per_microbatch = num_layers * sum(terms.values()) + edges
+    rerun = 0 if mesh.cp > 1 and recompute == "selective" else recomputed_layer_bytes(   # (ring: no rerun)
+        config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute, fused_norm=fused_norm)
+    if mesh.cp > 1 and recompute == "full":     # the rerun layer's attention is ring attention's
+        layer = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, fused_norm=fused_norm)
+        layer.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
+        rerun = sum(layer.values()) - terms["layer input"]
+    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + rerun}

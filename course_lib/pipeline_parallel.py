@@ -326,7 +326,7 @@ class StepRecorder:
 
 
 def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, targets: torch.Tensor, *,
-                  num_microbatches: int, schedule="1f1b", loss_fn=default_loss_fn,
+                  num_microbatches: int, schedule="1f1b", loss_fn=None,
                   recorder: StepRecorder | None = None) -> dict:
     """This rank's part of one step: its stage's forwards and backwards in ``schedule``'s order. Gradients
     accumulate in .grad (zero them first; no optimizer step). Stage = ``comm.rank``; every rank passes the
@@ -334,6 +334,11 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     rank's stage, or its v chunks (make_stage(..., num_chunks=v)) for an interleaved schedule. Returns {"rank",
     "num_microbatches", "loss" (the batch's mean loss, on the last stage; else None), and the recorder's
     "events", "in_flight", "overruns", "t0" (this rank's perf_counter at the step's start)}.
+
+    ``loss_fn``: by default the last stage's own (``loss_fn``, set by apply_tp(..., vocab_parallel=True)), else
+    model.loss_fn. Under sequence parallelism (apply_tp(..., sequence_parallel=True) before make_stage) the stages
+    pass each other this rank's slice of the sequence, [B/m, S/tp, d]: 1/tp of the bytes (Narayanan et al. 2021's
+    scatter/gather; the next stage's first all-gather, before its attention, makes it whole where needed).
 
     Messages. Everything is posted from this thread, as Megatron-LM and picotron do, so the same code runs
     on gloo and NCCL. Before each op, the tensor the previous op produced for a neighbour (sends) and the
@@ -355,8 +360,12 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     input_chunks, target_chunks = split_microbatches(inputs, m), split_microbatches(targets, m)
     actions = schedule_actions(schedule, num_stages, m, num_chunks=len(chunks))
     split = splits_backward(actions)
+    loss_fn = loss_fn or getattr(chunks[-1], "loss_fn", default_loss_fn)
     param = next(stage_module.parameters())
-    boundary = dict(size=(*input_chunks[0].shape, chunks[0].config.hidden), dtype=param.dtype,
+    rows, seq = input_chunks[0].shape
+    if getattr(chunks[0], "sequence_parallel", False):
+        seq //= chunks[0].tp_size              # SP: this rank's slice of the sequence crosses the boundary
+    boundary = dict(size=(rows, seq, chunks[0].config.hidden), dtype=param.dtype,
                     device=param.device)       # an activation [B/m, S, d], and its gradient: one shape
     recorder = recorder or StepRecorder(stage_module)
     held = {}              # (micro-batch, chunk) → (its input, its output, its output's gradient once B has it)

@@ -150,11 +150,11 @@ class _Questions:
         stage = next((s for s, n in ladder.items() if n <= self.budget), None)
         if stage is None:
             whole = CONVENTIONS[self.convention].total * param_count_formula(self.config)
-            self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; none fits in "
+            self.answers.append(f"state per GPU over {gpus(self.num_gpus)}: {rungs}; none fits in "
                                 f"{size_text(self.budget)}: {size_text(whole)} of state needs at least "
                                 f"{math.ceil(whole / self.budget)} such GPUs")
         else:
-            self.answers.append(f"state per GPU over {self.num_gpus} GPUs: {rungs}; first that fits in "
+            self.answers.append(f"state per GPU over {gpus(self.num_gpus)}: {rungs}; first that fits in "
                                 f"{size_text(self.budget)}: {stage_name(stage)}")
         return stage, ladder
 
@@ -169,7 +169,7 @@ class _Questions:
                    and shards + layer / t <= self.budget), None)
         if tp is None:
             raise ValueError(f"one layer's weights and gradients ({size_text(layer)}) do not fit beside the shards "
-                             f"({size_text(shards)}) in {size_text(self.budget)}, even split over the {self.node} GPUs "
+                             f"({size_text(shards)}) in {size_text(self.budget)}, even split over the {gpus(self.node)} "
                              "of a node")
         self.answers.append(f"one layer gathered whole is {size_text(layer)}, beside {size_text(shards)} of shards > "
                             f"{size_text(self.budget)}: TP={tp} inside a node")
@@ -177,12 +177,13 @@ class _Questions:
 
     def where_are_the_node_boundaries(self, tp: int) -> tuple[Mesh, int] | None:
         """3. Keep the model inside one node if its sharded state fits there; else TP takes the node, PP
-        crosses nodes, ZeRO-1 at most with a pipeline (or, if no pipeline fits, ZeRO-3 across nodes)."""
+        crosses nodes, with ZeRO-1 over dp (the planner's choice beside a pipeline: it reduces once per step; or,
+        if no pipeline fits, ZeRO-3 across nodes)."""
         node, num_gpus = self.node, self.num_gpus
         if self.first_fit(Mesh(dp=node // tp, tp=tp)) is not None:
             mesh = Mesh(dp=num_gpus // tp, tp=tp)
             where = "the nodes are data-parallel replicas" if num_gpus > node else "nothing crosses nodes"
-            self.answers.append(f"the model fits in one node of {node} GPUs: "
+            self.answers.append(f"the model fits in one node of {gpus(node)}: "
                                 + (f"its TP group stays inside a node and {where}" if tp > 1 else where))
             return mesh, self.first_fit(mesh)
         node_tp = max(t for t in range(1, node + 1) if node % t == 0 and tp_splits_heads(self.config, t))
@@ -194,7 +195,7 @@ class _Questions:
         groups = "one TP group" if node_tp == node else f"{node // node_tp} TP groups of {node_tp}"
         if found:
             mesh, stage = found[0]
-            self.answers.append(f"the model does not fit in one node of {node} GPUs, so it spans nodes: each node "
+            self.answers.append(f"the model does not fit in one node of {gpus(node)}, so it spans nodes: each node "
                                 f"holds {groups} (TP talks in every layer: it needs the node's fast links), "
                                 f"PP={mesh.pp} crosses nodes, "
                                 + (f"ZeRO-1 over the dp group of {mesh.dp} (free: DDP's traffic)"
@@ -202,11 +203,11 @@ class _Questions:
             return mesh, stage
         if self.first_fit(Mesh(dp=num_gpus // tp, tp=tp), (3,)) is not None:   # no pipeline fits: ZeRO-3
             mesh = Mesh(dp=num_gpus // tp, tp=tp)
-            self.answers.append(f"the model does not fit in one node of {node} GPUs, and no pipeline with ZeRO-1 "
+            self.answers.append(f"the model does not fit in one node of {gpus(node)}, and no pipeline with ZeRO-1 "
                                 f"does: ZeRO-3 over all {mesh.dp} data-parallel ranks, across nodes (1.5× DDP's "
                                 "traffic)")
             return mesh, 3
-        self.answers.append(f"no layout of {num_gpus} GPUs holds the state and one gathered layer")
+        self.answers.append(f"no layout of {gpus(num_gpus)} holds the state and one gathered layer")
         return None
 
 
@@ -227,7 +228,9 @@ class _Questions:
         memory = memory_per_gpu(self.config, mesh, stage, workload, gpu_bytes=gpu_bytes,
                                 convention=self.convention, reserve_share=reserve_share)
         verdict = "it fits" if memory["total"] <= gpu_bytes else "it does NOT fit"
-        self.answers.append(f"with {shape} (m = {m}): that layout needs {size_text(memory['state'])} of state + "
+        self.answers.append(f"with {shape} (m = {m}; assumed: {workload.assumptions()}; state as "
+                            f"{self.convention!r}, {CONVENTIONS[self.convention].description}): that layout needs "
+                            f"{size_text(memory['state'])} of state + "
                             f"{size_text(memory['activations'])} of activations + {size_text(memory['reserve'])} reserve = "
                             f"{size_text(memory['total'])} of {size_text(gpu_bytes)}: {verdict}")
 
@@ -252,19 +255,26 @@ class _Questions:
         self.answers.append(f"fastest that fits: {best}" + ("; " + "; ".join(parts) if parts else ""))
 
 
+def gpus(count: int) -> str:
+    """'1 GPU', '8 GPUs': the count with its noun."""
+    return f"{count} GPU" + ("" if count == 1 else "s")
+
+
 def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | None = None,
                zero_stage: int = 0, config=None, gpu_bytes: int | None = None) -> list[str]:
     """The source's warnings against turning parallelism up like a speed knob, for one layout."""
     smells = []
     if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
-        smells.append(f"TP {mesh.tp} does not fit in the nodes of {gpus_per_node} GPUs: its 4 all-reduces per layer "
+        smells.append(f"TP {mesh.tp} does not fit in the nodes of {gpus(gpus_per_node)}: its 4 all-reduces per layer "
                       "and micro-batch would cross the slow network between nodes")
     if mesh.pp > 1 and num_microbatches is not None and num_microbatches < mesh.pp:
         smells.append(f"PP {mesh.pp} stages > {num_microbatches} micro-batches: the bubble is "
                       f"{bubble_fraction(mesh.pp, num_microbatches):.0%} of the step")
     if mesh.pp > 1 and zero_stage >= 2:
-        smells.append(f"ZeRO-{zero_stage} with a pipeline: its gradients (and weights) would be reduced (and "
-                      "gathered) for every micro-batch; ZeRO-1 is the most a pipeline takes")
+        # not a law (DeepSpeed refuses it; torchtitan and Llama 3 run FSDP with PP): a cost to weigh
+        smells.append(f"ZeRO-{zero_stage} with a pipeline: its gradients (and weights) are reduced (and gathered) "
+                      "once per micro-batch instead of once per step, unless the stage keeps them whole for the "
+                      "step (then it saves no more memory than ZeRO-1)")
     if zero_stage == 3 and config is not None and gpu_bytes is not None:
         whole = zero_state_bytes(param_count_formula(config), 0, 1)["total"]
         if whole <= gpu_bytes:

@@ -5,7 +5,6 @@ A linear layer computes Y = X·W (X: [tokens, in], W: [in, out]). With p ranks t
     By columns   W = [W_0 | W_1 | ... ]      rank i holds W_i = W[:, i·out/p : (i+1)·out/p]
                  Y = [X·W_0 | X·W_1 | ...]   rank i computes its slice Y_i = X·W_i; no sum is needed.
                  Backward: dX = dY·Wᵀ = Σ_i dY_i·W_iᵀ, a sum over ranks → all-reduce of dX.
-
     By rows      W = [W_0 ; W_1 ; ... ]      rank i holds W_i = W[i·in/p : (i+1)·in/p, :]
                  X = [X_0 | X_1 | ...]       and needs only its slice X_i of the input's features
                  Y = Σ_i X_i·W_i             each rank has a partial sum → all-reduce of Y.
@@ -14,8 +13,8 @@ A linear layer computes Y = X·W (X: [tokens, in], W: [in, out]). With p ranks t
 (nn.Linear stores W transposed, as weight[out, in]: a column split cuts weight's rows, a row split its columns.)
 
 Megatron-LM puts a column-parallel layer first and a row-parallel layer second, so the column layer's output
-slice *is* the row layer's input slice, and whatever sits between them (an activation, or attention within a
-head) runs on slices with no communication. Two conjugate operators carry the communication:
+slice *is* the row layer's input slice, and what sits between them (an activation, attention within a head)
+runs on slices with no communication. Two conjugate operators carry the communication:
 
     f   forward: identity            backward: all-reduce      (before the column layer: dX is a sum)
     g   forward: all-reduce          backward: identity        (after the row layer: Y is a sum)
@@ -26,28 +25,27 @@ o_proj by rows) and one of each around the MLP (gate and up by columns, down by 
     per layer: 2 all-reduces forward (g) + 2 backward (f), each of one activation, batch × seq × hidden
     values. In bytes: b·s·h·e per all-reduce, and a ring all-reduce sends 2(p-1)/p of that per rank.
 
-q, k and v share one f (one all-reduce of the sum of their input gradients), and so do gate and up: that is
-why :func:`apply_tp` applies f once at the input of `attn` and `mlp` and builds those column layers with
-``copy_input=False``. (torch's DTensor ``ColwiseParallel`` reduces each layer's input gradient on its own:
-5 all-reduces backward per layer instead of 2.)
+q, k and v share one f, and so do gate and up: :func:`apply_tp` applies f once at the input of `attn` and `mlp`
+(``copy_input=False`` on those column layers). torch's DTensor ``ColwiseParallel`` reduces each layer's input
+gradient on its own: 5 all-reduces backward per layer instead of 2.
 
 Heads are split over ranks, so every rank must get whole heads, and with grouped-query attention its own
 key/value heads: rank r keeps query heads [r·H/p, (r+1)·H/p) and key/value heads [r·K/p, (r+1)·K/p), which
 are exactly the key/value heads its query heads read (query head j reads key/value head j // (H/K)).
 So num_heads, num_kv_heads and intermediate must all divide by p: 16 heads cannot split over TP = 3.
 
-Norms, embedding and head stay whole on every rank (replicated); their gradients come out the same on every
-rank because f and g make every replicated activation, and its gradient, whole.
+Norms, embedding and head stay whole on every rank (replicated; vocab_parallel=True splits the last two and
+the loss: course_lib.vocab_parallel); f and g make every replicated activation, and its gradient, whole.
 
 Sequence parallelism (序列并行, Korthikanti et al. 2022), ``apply_tp(model, comm, sequence_parallel=True)``. Plain TP keeps
 the residual stream whole between the matrices: every rank runs the same norms and saves the same activations. SP cuts
 that stream along the sequence (rank r keeps tokens [r·s/p, (r+1)·s/p)), and f and g change partner: before the column
 layers an all-gather (backward: reduce-scatter), after the row layers a reduce-scatter (backward: all-gather). An
 all-reduce *is* a reduce-scatter then an all-gather, (p-1)/p·n bytes each: the layers send exactly plain TP's bytes.
-Attention sees the whole gathered sequence: rotary positions stay global. New, and traced: (1) the first layer a rank
-runs takes its slice and the last one's output is gathered whole (backward: all-gather, and keep the slice), so
-embedding, final norm, head, loss and pipeline stage boundaries see whole activations: one all-gather each way per step
-and stage; (2) a norm's weight meets only this rank's tokens, so its gradient is a sum over ranks: f on the weight, 2
+Attention sees the whole gathered sequence: rotary positions stay global. New, and traced: (1) the first layer takes
+its slice and the last one's output is gathered whole (backward: all-gather, and keep the slice), so embedding, final
+norm, head and loss see whole activations: one all-gather each way per step; pipeline stages pass each other slices,
+s/p tokens; (2) a norm's weight meets only this rank's tokens, so its gradient is a sum over ranks: f on the weight, 2
 all-reduces of d values per layer in every backward (Megatron-LM: once per step, ``finalize_model_grads``; here
 gradients are whole when backward returns). Gathered inputs stay whole (ledger.gpt_layer_activation_bytes).
 """
@@ -59,16 +57,11 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from .comm import Comm, wire_bytes
+from .dtensor_plans import dtensor_plan as dtensor_plan  # torch's DTensor version of apply_tp
+from .model import rms_norm
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
 # ------------------------------------------------------------------------------ the conjugate operators
 
@@ -121,8 +114,7 @@ def f(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return CopyToTensorParallelRegion.apply(x, comm)
 
 
-def g(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Megatron's g (reduce_from_tensor_model_parallel_region): all-reduce forward, identity backward."""
+def g(x: torch.Tensor, comm: Comm) -> torch.Tensor:   # Megatron's reduce_from_tensor_model_parallel_region
     return ReduceFromTensorParallelRegion.apply(x, comm)
 
 
@@ -158,7 +150,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def _my_slice(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     _check_sequence(x.shape[1], comm.size)
-    return x.chunk(comm.size, dim=1)[comm.rank].contiguous()
+    return x.chunk(comm.size, dim=1)[comm.rank].clone(memory_format=torch.contiguous_format)   # a copy, not a view
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -283,15 +275,15 @@ class RowParallelLinear(nn.Module):
 
 
 class SequenceParallelRMSNorm(nn.Module):
-    """model.RMSNorm on this rank's slice of the sequence. The weight is the same Parameter (same name, whole on
-    every rank), but it meets only this rank's tokens, so its gradient is a sum over ranks: f on the weight."""
+    """model.RMSNorm on this rank's tokens: the same (whole) weight, whose gradient is a sum over ranks: f on it."""
 
     def __init__(self, norm: nn.Module, comm: Comm):
         super().__init__()
-        self.weight, self.eps, self.comm = norm.weight, norm.eps, comm
+        self.weight, self.eps, self.fused, self.comm = norm.weight, norm.eps, getattr(norm, "fused", True), comm
 
     def forward(self, x):
-        return F.rms_norm(x, self.weight.shape, f(self.weight, self.comm), self.eps)
+        weight = f(self.weight, self.comm)
+        return rms_norm(x, weight, self.eps) if self.fused else F.rms_norm(x, weight.shape, weight, self.eps)
 
 
 # --------------------------------------------------------------------------------- the course model
@@ -312,15 +304,17 @@ def check_tp_divisible(config, tp: int) -> None:
         raise ValueError("; ".join(problems) + f". TP degrees that work for this model: {divisors}")
 
 
-def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False) -> nn.Module:
+def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False, vocab_parallel: bool = False) -> nn.Module:
     """Split the course GPT over ``comm``'s ranks, in place (every rank must hold the same model).
 
     Attention: q/k/v by columns (this rank's heads), o_proj by rows. MLP: gate/up by columns, down by rows.
     One f at the input of each of the two, one g inside each row layer: 2 all-reduces forward, 2 backward
-    per layer. Embedding, norms and head stay whole.
+    per layer. Norms stay whole; embedding and head too, unless ``vocab_parallel``: split by vocabulary rows
+    and columns, and ``model.loss_fn`` a cross-entropy that never gathers the logits (course_lib.vocab_parallel).
 
     ``sequence_parallel``: the residual stream and the layers' norms on this rank's s/p tokens, f and g an
-    all-gather and a reduce-scatter (module docstring). Also on a pipeline stage (make_stage after apply_tp).
+    all-gather and a reduce-scatter (module docstring). On a pipeline (make_stage after apply_tp) the stages pass
+    each other this rank's s/p slice (pipeline_step), 1/p of the bytes (Megatron-LM's scatter/gather).
     """
     if getattr(model, "tp_size", None) is not None:
         raise ValueError(f"this model is already split over TP={model.tp_size}: apply_tp it once, to a whole model")
@@ -333,12 +327,12 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False) -> n
     def held(end):   # the first (0) or last (-1) layer this rank runs: a pipeline stage's others are Identity
         return [layer for layer in model.layers if not isinstance(layer, nn.Identity)][end]
 
-    def enter_stack(block, args):            # SP: the first layer takes this rank's slice of the sequence ...
-        if block is held(0):
+    def enter_stack(block, args):   # SP: the first stage's first layer takes this rank's slice of the sequence
+        if block is held(0) and not isinstance(model.embed, nn.Identity):     # (a later stage receives it)
             return (ScatterToSequenceParallelRegion.apply(args[0], comm, False),)
 
-    def leave_stack(block, args, output):    # ... and the last one's output is gathered whole again
-        if block is held(-1):
+    def leave_stack(block, args, output):   # ... the last stage's last layer gathers it whole (earlier: send it)
+        if block is held(-1) and not isinstance(model.head, nn.Identity):
             return GatherFromSequenceParallelRegion.apply(output, comm, False)
 
     for layer in model.layers:
@@ -356,7 +350,24 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool = False) -> n
             layer.mlp_norm = SequenceParallelRMSNorm(layer.mlp_norm, comm)
             layer.register_forward_pre_hook(enter_stack)
             layer.register_forward_hook(leave_stack)
-    model.tp_size, model.sequence_parallel = comm.size, sequence_parallel
+    if vocab_parallel:
+        split_vocabulary(model, comm)
+    model.tp_size, model.sequence_parallel, model.vocab_parallel = comm.size, sequence_parallel, vocab_parallel
+    return model
+
+
+def split_vocabulary(model: nn.Module, comm: Comm) -> nn.Module:
+    """apply_tp's ``vocab_parallel``: the embedding by rows, the head by columns (f before it), ``model.loss_fn``
+    the cross-entropy of the split logits (course_lib.vocab_parallel). A stage without them keeps its Identity."""
+    if model.config.tie_embeddings:
+        raise ValueError("vocab_parallel with tie_embeddings=True: the course splits the embedding and the head "
+                         "apart (each its own slice); untie them")
+    _rank_slice(model.config.vocab_size, comm, "vocab_size")     # the clear error, before anything changes
+    if isinstance(model.embed, nn.Embedding):
+        model.embed = VocabParallelEmbedding(model.embed, comm, g)
+    if isinstance(model.head, nn.Linear):
+        model.head = ColumnParallelLinear.from_dense(model.head, comm, copy_input=True)
+    model.loss_fn = VocabParallelLoss(comm)
     return model
 
 
@@ -368,53 +379,42 @@ def tp_allreduce_bytes(batch_size: int, seq_len: int, hidden: int, bytes_per_ele
 
 
 def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4,
-                    sequence_parallel: bool = False, num_layers: int | None = None) -> dict:
-    """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring).
-
-    Refuses a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would: a traffic
-    figure for a layout that cannot run is no figure. (The payload of one all-reduce, tp_allreduce_bytes,
-    does not depend on the degree.) ``num_layers``: those of one pipeline stage (default: all of them).
+                    sequence_parallel: bool = False, num_layers: int | None = None, stage: int = 0,
+                    num_stages: int = 1, recompute: str = "none") -> dict:
+    """All-reduces of one forward + backward of the split model, and the bytes each rank sends (ring). Refuses
+    a ``tp`` that ``config`` cannot split over (check_tp_divisible), as apply_tp would. ``num_layers``: those of
+    pipeline stage ``stage`` of ``num_stages`` (default: all of them, one stage).
 
     ``sequence_parallel``: per layer 4 all-gathers and 4 reduce-scatters of one activation, plain TP's bytes
-    ("layers_wire_bytes"); one all-gather each way at the stack's ends ("ends_wire_bytes"); an all-reduce of
-    each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count each op.
+    ("layers_wire_bytes"); at the stack's ends ("ends_wire_bytes") an all-gather backward on the first stage
+    (its scatter's) and one forward on the last (the gather before the final norm): stages pass slices; an
+    all-reduce of each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count.
+    ``recompute="full"`` (course_lib.checkpointing): backward reruns each layer's forward, and with it its
+    collectives up to the last saved tensor, down_proj's input: attention's g (SP: both all-gathers and o_proj's
+    reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes").
     """
     check_tp_divisible(config, tp)
     layers = config.num_layers if num_layers is None else num_layers
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
+    rerun = layers if recompute == "full" else 0
     if not sequence_parallel:
         per_direction = 2 * layers
-        return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction,
-                "forward_ops": {"all_reduce": per_direction}, "backward_ops": {"all_reduce": per_direction},
-                "payload_bytes_each": payload, "payload_bytes": 2 * per_direction * payload,
-                "wire_bytes_per_rank": 2 * per_direction * wire_bytes("all_reduce", payload, tp)}
+        return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction + rerun,
+                "forward_ops": {"all_reduce": per_direction}, "backward_ops": {"all_reduce": per_direction + rerun},
+                "recompute_ops": {"all_reduce": rerun}, "payload_bytes_each": payload,
+                "payload_bytes": (2 * per_direction + rerun) * payload,
+                "recompute_wire_bytes": rerun * wire_bytes("all_reduce", payload, tp),
+                "wire_bytes_per_rank": (2 * per_direction + rerun) * wire_bytes("all_reduce", payload, tp)}
     _check_sequence(seq_len, tp)
     norm_weight = config.hidden * bytes_per_element
     gather, scatter = wire_bytes("all_gather", payload, tp), wire_bytes("reduce_scatter", payload, tp)
-    parts = {"layers_wire_bytes": 4 * layers * (gather + scatter), "ends_wire_bytes": 2 * gather,
-             "norm_weights_wire_bytes": 2 * layers * wire_bytes("all_reduce", norm_weight, tp)}
-    return {"forward_ops": {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers},
-            "backward_ops": {"reduce_scatter": 2 * layers, "all_gather": 2 * layers + 1, "all_reduce": 2 * layers},
-            "payload_bytes_each": payload, "payload_bytes": (8 * layers + 2) * payload + 2 * layers * norm_weight,
+    first, last = int(stage == 0), int(stage == num_stages - 1)
+    parts = {"layers_wire_bytes": 4 * layers * (gather + scatter), "ends_wire_bytes": (first + last) * gather,
+             "norm_weights_wire_bytes": 2 * layers * wire_bytes("all_reduce", norm_weight, tp),
+             "recompute_wire_bytes": rerun * (2 * gather + scatter)}
+    return {"forward_ops": {"all_gather": 2 * layers + last, "reduce_scatter": 2 * layers},
+            "backward_ops": {"reduce_scatter": 2 * layers + rerun, "all_gather": 2 * layers + first + 2 * rerun,
+                             "all_reduce": 2 * layers},
+            "recompute_ops": {"all_gather": 2 * rerun, "reduce_scatter": rerun}, "payload_bytes_each": payload,
+            "payload_bytes": (8 * layers + first + last + 3 * rerun) * payload + 2 * layers * norm_weight,
             **parts, "wire_bytes_per_rank": sum(parts.values())}
-
-
-def dtensor_plan(config, sequence_parallel: bool = False) -> dict:
-    """torch's DTensor plan for the same split: ``parallelize_module(model, mesh, dtensor_plan(config))``.
-    ``sequence_parallel``: torchtitan's layout: the embedding's output cut along the sequence (Shard(1)), the
-    layers' norms ``SequenceParallel()``, attention and MLP inputs gathered whole (Replicate), their row layers
-    reduce-scattering back to Shard(1), the final norm's input gathered whole."""
-    plan, sequence = {}, dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    if sequence_parallel:
-        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        plan["norm"] = PrepareModuleInput(**sequence, use_local_output=True)
-    for i in range(config.num_layers):
-        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.o_proj", "mlp.down_proj"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else None)
-        if sequence_parallel:
-            for name in ("attn", "mlp"):
-                plan[f"layers.{i}.{name}"] = PrepareModuleInput(**sequence)
-                plan[f"layers.{i}.{name}_norm"] = SequenceParallel()
-    return plan

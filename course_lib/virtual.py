@@ -26,13 +26,13 @@ attention scores; on CPU (and CUDA) it runs a flash kernel that stores q, k, v, 
 log-sum-exp. :class:`MetaFlashAttention` sends meta SDPA to the CPU flash kernel, so meta saves what a real
 run saves (checked on the tiny model: every module's saved bytes equal a CPU run's).
 
-Not run, computed (the output lists which numbers are which): ``recompute="full"`` (the course code has no
-activation checkpointing: the peak is per_rank.activation_bytes_per_rank's). "none" and "selective" both run: they
-are the same for the course model, whose SDPA never stores the scores. ``sequence_parallel`` runs
-``apply_tp(..., sequence_parallel=True)`` (activations and the TP group's bytes measured, its all-gathers at
-each stage's two ends and its norm-weight all-reduces included: tensor_parallel.tp_step_traffic), with one
-number computed: the pipeline's bytes. Megatron-LM passes s/tp of the sequence between stages; the course's
-pipeline_step passes whole activations [b, s, d], so the run sends plain TP's, and the formula's a/tp stands in.
+``recompute`` runs course_lib.checkpointing ("selective": each attention core, "full": each block, through
+torch.utils.checkpoint): the forward's saved bytes are measured as before, and what each rerun saves in
+backward by checkpointing.RecomputeMeter; the peak is the most held plus the largest rerun. A recomputed block
+reruns its TP collectives: traced. ``sequence_parallel`` runs ``apply_tp(..., sequence_parallel=True)``
+(activations and the TP group's bytes measured, the all-gathers at the stack's ends and the norm-weight
+all-reduces included: tensor_parallel.tp_step_traffic), and the stages pass s/tp of the sequence (Megatron-LM's
+scatter/gather): measured. ``vocab_parallel`` runs apply_tp's split vocabulary (course_lib.vocab_parallel).
 
 The axes beyond 3D (``--cp``, ``--ep``, ``--dp-replicate``; mesh.py lays them out):
 
@@ -70,21 +70,20 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
+from .checkpointing import RecomputeMeter
 from .ledger import RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
-from .model import PRESETS, build, preset
+from .model import PRESETS, RMSNorm, build, preset
 from .parallelize import Parallelism, parallelize
 from .per_rank import (
     activation_bytes_per_rank,
     data_parallel_bytes_per_step,
     data_parallel_state_bytes,
-    layers_per_rank,
     microbatches_in_flight,
     sent_bytes_per_rank,
 )
 from .pipeline_parallel import StepRecorder, stage_chunks
-from .tensor_parallel import tp_step_traffic
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -123,13 +122,17 @@ class MetaFlashAttention(TorchFunctionMode):
 
 def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
                    zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype,
-                   num_chunks: int = 1) -> Parallelism:
+                   vocab_parallel: bool = False, num_chunks: int = 1) -> Parallelism:
     """The errors a real run would raise, before any group is made: parallelize's own checks (the mesh's, the
     schedule's, the same messages), ZeRO's, and the model's limit on the sequence. Returns parallelize's options."""
     check_zero_stage(zero_stage)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
                           num_chunks=num_chunks,
-                          num_microbatches=num_microbatches, data_parallel=mesh.ep == 1)
+                          num_microbatches=num_microbatches, data_parallel=mesh.ep == 1,
+                          activation_checkpointing=None if recompute == "none" else recompute,
+                          vocab_parallel=vocab_parallel)
     options.check(config, mesh, batch_size=mesh.dp * micro_batch_size * num_microbatches, seq_len=seq_len)
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
@@ -143,15 +146,15 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
         raise ValueError("recompute='full' with num_chunks > 1: its peak is a formula's, and the course has none "
                          "for an interleaved schedule")
     if config.num_experts and recompute == "full":
-        raise ValueError("recompute='full' with a mixture of experts: its peak is a formula's, and the course "
-                         "has no activation formula for its MoE layer")
+        raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
+                         "formula for its MoE layer to check a rerun's bytes against")
     return options
 
 
 def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
              num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
              sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16,
-             num_chunks: int = 1) -> dict:
+             vocab_parallel: bool = False, fused_norm: bool = True, num_chunks: int = 1) -> dict:
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
     Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
@@ -164,8 +167,9 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     start = time.perf_counter()
     workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                     zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
-                    schedule=schedule, dtype=dtype, num_chunks=num_chunks)
+                    schedule=schedule, dtype=dtype, vocab_parallel=vocab_parallel, num_chunks=num_chunks)
     options = check_workload(config, mesh, **workload)
+    workload["fused_norm"] = fused_norm
     coords = mesh.coords(rank)
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
     # model's device (here meta), so each one saves its own ids, not a view of the whole batch's. With cp > 1
@@ -175,6 +179,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     with fake_world(mesh.size, rank):
         comms = make_comms(mesh, rank)
         model = build(config, device="meta", dtype=dtype)
+        for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
+            norm.fused = fused_norm       # False: F.rms_norm, as the CPU runs it (model.RMSNorm)
         parallel = parallelize(model, mesh, comms, rank, options)
         stage, data_parallel = parallel.stage, parallel.data_parallel
         recorder = StepRecorder(stage, measure_memory=True)
@@ -184,7 +190,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
             if mesh.dp_replicate > 1:                # HSDP: ZeRO-3 over the replica, all-reduce over replicas
                 logs["dp"] = traces.enter_context(comms["dp_shard_cp"].trace())
                 replicas = traces.enter_context(comms["dp_replicate"].trace())
-            with MetaFlashAttention():               # one gradient reduction, after the schedule
+            with MetaFlashAttention(), RecomputeMeter(stage) as rerun:   # one gradient reduction, after the schedule
                 parallel.forward_backward(tokens, tokens, recorder=recorder)
             if data_parallel:
                 data_parallel.step()
@@ -200,7 +206,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         "layers": layers[0] if num_chunks == 1 else layers,       # v > 1: each chunk's [first, last + 1)
         "state_bytes": ({part: state[part] for part in ("weights", "grads", "optimizer", "total")}
                         if data_parallel else None),
-        "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight),
+        # the most held at once (at a backward's start), and the largest rerun that backward holds beside it
+        "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight) + rerun.peak,
         "activation_bytes_per_microbatch": next(nbytes for _, count, nbytes in recorder.in_flight if count == 1),
         "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
         "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
@@ -209,15 +216,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         "computed": [],
         "formulas": formulas(config, mesh, rank, **workload),
     }
-    if recompute == "full":    # not in the course code: the formula's numbers instead
-        result["activation_bytes_peak"] = result["formulas"]["activation_bytes_peak"]
-        result["activation_bytes_per_microbatch"] = result["formulas"]["activation_bytes_per_microbatch"]
-        result["measured"].remove("activation_bytes_peak")
-        result["computed"].append("activation_bytes_peak")
     result["coords"].update({axis: coords[axis] for axis in ("cp", "ep", "dp_replicate", "dp_shard") if axis in coords})
     computed_sends = []
-    if sequence_parallel:      # the course's pipeline passes whole activations; Megatron's, s/tp of them
-        computed_sends.append("pp")
     if data_parallel is None:  # ep > 1: no data-parallel wrapper ran (module docstring)
         result["state_bytes"] = result["formulas"]["state_bytes"]
         result["measured"].remove("state_bytes")
@@ -235,7 +235,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 
 def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
-             schedule: str = "1f1b", dtype=torch.bfloat16, num_chunks: int = 1) -> dict:
+             schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False,
+             fused_norm: bool = True, num_chunks: int = 1) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
     optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
@@ -255,18 +256,17 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, num_microbatches=num_microbatches,
                                                 schedule=schedule, dtype=dtype, recompute=recompute,
-                                                sequence_parallel=sequence_parallel)
+                                                sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                                                fused_norm=fused_norm)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
-                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks)
-    if sequence_parallel:     # the layers' bytes are plain TP's; apply_tp's SP adds its ends and norm weights
-        layers = layers_per_rank(config, mesh, stage, num_chunks)
-        sent["tp"] = num_microbatches * tp_step_traffic(config, micro_batch_size, seq_len, mesh.tp, e, True,
-                                                        num_layers=layers)["wire_bytes_per_rank"]
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks,
+                               recompute=recompute, vocab_parallel=vocab_parallel)
     dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
-                                          accumulation_steps=num_microbatches, num_chunks=num_chunks)
+                                          accumulation_steps=num_microbatches, num_chunks=num_chunks,
+                                          vocab_parallel=vocab_parallel)
     state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
-                                      optimizer_bytes=12, num_chunks=num_chunks)
+                                      optimizer_bytes=12, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
@@ -297,6 +297,8 @@ def main(argv=None) -> int:
                         help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help="split the embedding, head and loss by vocabulary over TP (course_lib.vocab_parallel)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
     parser.add_argument("--num-chunks", type=int, default=1, help="layer chunks per stage (--schedule interleaved)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
@@ -318,7 +320,7 @@ def main(argv=None) -> int:
                           num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                           num_chunks=args.num_chunks,
-                          dtype=DTYPES[args.dtype])
+                          dtype=DTYPES[args.dtype], vocab_parallel=args.vocab_parallel)
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)
         return 2

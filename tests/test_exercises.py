@@ -55,7 +55,7 @@ RIGHT = {   # what a checker says to its reference answer
     "check_one_f_one_b": ["✓ correct: as fast as GPipe (bubble 27.3% at p=4, m=8)", "on 3 real ranks"],
     "check_reduce_grad_shard": ["✓ correct: one reduce-scatter"],
     "check_3d_layout": ["✓ dp 2 × tp 8 × pp 2, ZeRO-1, m = 32 (micro-batches of 1)", "state 42.3 GiB + activations "
-                        "26.6 GiB + reserve 8.0 GiB = 76.9 GiB of 80.0 GiB", "bubble 3.0%, TP inside the node"],
+                        "21.7 GiB + reserve 8.0 GiB = 72.0 GiB of 80.0 GiB", "bubble 3.0%, TP inside the node"],
 }
 
 
@@ -439,14 +439,14 @@ def layout(dp=2, tp=8, pp=2, zero_stage=1, num_microbatches=32, **changes):
     (layout(dp=4), ["✗ ValueError: world_size 32 != dp 4 × tp 8 × pp 2 = 64"]),
     (layout(dp=4, tp=1, pp=8, num_microbatches=3), ["✗ ValueError: each dp rank's batch of 16", "num_microbatches=3"]),
     (layout(zero_stage=4), ["✗ zero_stage=4: one of 0 (DDP), 1, 2, 3"]),
-    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "ZeRO-1 is the most a pipeline takes"]),
+    (layout(zero_stage=3), ["✗ ZeRO-3 with a pipeline", "once per micro-batch instead of once per step"]),
     (layout(dp=32, tp=1, pp=1, zero_stage=0, num_microbatches=1),
-     ["✗ the busiest GPU needs state 1027.8 GiB + activations 282.1 GiB + reserve 8.0 GiB = 1317.9 GiB: 1237.9 GiB "
+     ["✗ the busiest GPU needs state 1027.8 GiB + activations 204.4 GiB + reserve 8.0 GiB = 1240.3 GiB: 1160.3 GiB "
       "more than its 80.0 GiB", "hint: the state overflows: 1027.8 GiB where the card leaves 72.0 GiB beside its "
       "8.0 GiB reserve, 955.8 GiB too much before any activation: shard it more"]),
     (layout(dp=32, tp=1, pp=1, zero_stage=3, num_microbatches=2),      # FSDP alone: every GPU runs all 80 layers
-     ["✗ the busiest GPU needs state 35.3 GiB + activations 141.2 GiB + reserve 8.0 GiB = 184.5 GiB",
-      "hint: the activations overflow: 141.2 GiB where the state and the reserve leave 36.7 GiB, 104.5 GiB too "
+     ["✗ the busiest GPU needs state 35.3 GiB + activations 102.4 GiB + reserve 8.0 GiB = 145.7 GiB",
+      "hint: the activations overflow: 102.4 GiB where the state and the reserve leave 36.7 GiB, 65.7 GiB too "
       "much. They shrink with more TP;"]),
     (layout(num_microbatches=2), ["✗ the bubble is (p-1)/(m+p-1) = 1/3 = 33%: more micro-batches"]),
     (layout(num_microbatches=0), ["✗ ValueError: num_microbatches=0 must be a whole number >= 1"]),
@@ -462,23 +462,24 @@ def test_check_3d_layout_refuses_the_old_answer_whose_activations_do_not_fit(cap
     42.3 GiB of state. Its micro-batches are 2 sequences (64 / (2 · 16)), and stage 0 keeps 2 of them in flight:
     the activations no longer fit. Micro-batches of one sequence fit, with sequence parallelism only."""
     verdict(capsys, exercises.check_3d_layout(layout(num_microbatches=16)), False,
-            "✗ the busiest GPU needs state 42.3 GiB + activations 52.8 GiB + reserve 8.0 GiB = 103.1 GiB: 23.1 GiB "
-            "more than its 80.0 GiB", "hint: the activations overflow: 52.8 GiB where the state and the reserve "
-            "leave 29.7 GiB, 23.1 GiB too much. They shrink with smaller micro-batches (b = 2 sequences now")
+            "✗ the busiest GPU needs state 42.3 GiB + activations 43.2 GiB + reserve 8.0 GiB = 93.5 GiB: 13.5 GiB "
+            "more than its 80.0 GiB", "hint: the activations overflow: 43.2 GiB where the state and the reserve "
+            "leave 29.7 GiB, 13.5 GiB too much. They shrink with smaller micro-batches (b = 2 sequences now")
     without_sp = replace(exercises_layout.WORKLOAD, sequence_parallel=False)
     verdict(capsys, exercises.check_3d_layout(layout(), workload=without_sp), False,
-            "activations 61.6 GiB + reserve 8.0 GiB = 111.9 GiB", "hint: the activations overflow",
+            "activations 30.5 GiB + reserve 8.0 GiB = 80.8 GiB",
+            "the activations overflow: 30.5 GiB where the state and the reserve leave 29.7 GiB",
             "They shrink with sequence parallelism")
-    verdict(capsys, exercises.check_3d_layout(layout()), True, "76.9 GiB of 80.0 GiB")
+    verdict(capsys, exercises.check_3d_layout(layout()), True, "72.0 GiB of 80.0 GiB")
 
 
 def test_check_3d_layout_names_the_larger_part_first(capsys):
-    """dp 4 × tp 8 × pp 1 with ZeRO-1 holds 59.2 GiB of state beside 27.4 GiB of activations: the hint names the
+    """dp 4 × tp 8 × pp 1 with ZeRO-1 holds 59.2 GiB of state beside 22.4 GiB of activations: the hint names the
     state first, with what shards it, and does not offer full recomputation as if it were one of the choices.
     Its own suggestion, ZeRO-3 over the same dp, fits."""
     shown = verdict(capsys, exercises.check_3d_layout(layout(dp=4, pp=1, num_microbatches=16)), False,
-                    "state 59.2 GiB + activations 27.4 GiB + reserve 8.0 GiB = 94.6 GiB",
-                    "hint: the state is the larger part: 59.2 GiB beside 27.4 GiB of activations, 14.6 GiB too much "
+                    "state 59.2 GiB + activations 22.4 GiB + reserve 8.0 GiB = 89.6 GiB",
+                    "hint: the state is the larger part: 59.2 GiB beside 22.4 GiB of activations, 9.6 GiB too much "
                     "together. Shard the state more: a higher ZeRO stage over dp 4",
                     "full recomputation alone (not one of the choices here)")
     assert shown.index("Shard the state") < shown.index("the activations overflow")

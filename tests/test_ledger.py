@@ -11,11 +11,12 @@ from course_lib.ledger import (
     deepspeed_estimate,
     gpt3_layer_terms,
     gpt_activation_bytes,
+    gpt_layer_activation_bytes,
     zero_state_bytes,
 )
 from course_lib.measure import SavedActivations, measure_state_bytes, measure_step
 from course_lib.mixed_precision import MixedPrecisionAdam
-from course_lib.model import build, count_params, loss_fn, preset
+from course_lib.model import RMSNorm, build, count_params, loss_fn, preset
 from course_lib.units import GiB, TiB
 
 TINY_PARAMS = 164_416
@@ -157,14 +158,34 @@ def test_saved_activations_leaves_out_parameters_and_counts_storage_once():
 
 
 def test_full_recompute_keeps_layer_inputs_and_one_layer():
+    """The peak: every layer's input, and one layer's rerun, which saves its own terms but its input (the
+    checkpoint already holds it; tests/test_checkpointing.py measures both)."""
     config = preset("tiny")
     none = gpt_activation_bytes(config, 2, 16)
     full = gpt_activation_bytes(config, 2, 16, recompute="full")
     one_layer = sum(none[k] for k in ("attn_norm", "attn.q_proj", "attn", "mlp_norm", "mlp.gate_proj", "mlp",
                                       "mlp.down_proj")) // config.num_layers
-    assert full["one layer, recomputed"] == one_layer
-    assert full["layer inputs (checkpoints)"] == config.num_layers * 2 * 16 * config.hidden * 4
+    layer_input = 2 * 16 * config.hidden * 4
+    assert full["one layer, recomputed"] == one_layer - layer_input
+    assert full["layer input"] == config.num_layers * layer_input
     assert full["total"] < none["total"]
+
+
+def test_the_fused_norm_saves_its_input_and_an_fp32_rstd_the_decomposed_one_two_fp32_copies():
+    config = preset("tiny")
+    b, s, d = 2, 16, config.hidden
+    for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
+        fused = gpt_layer_activation_bytes(config, b, s, dtype)["attn_norm"]
+        decomposed = gpt_layer_activation_bytes(config, b, s, dtype, fused_norm=False)["attn_norm"]
+        assert (fused, decomposed) == (b * s * d * e + b * s * 4, 2 * b * s * d * 4 + b * s * 4)
+        measured = {}
+        for fused_norm in (True, False):
+            norm = RMSNorm(d, 1e-5, fused=fused_norm).to(dtype)
+            x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
+            with SavedActivations(norm) as saved:
+                norm(x)
+            measured[fused_norm] = saved.bytes
+        assert (measured[True], measured[False]) == (fused, decomposed)
 
 
 def test_gpt_activation_bytes_rejects_nonsense():
@@ -175,8 +196,8 @@ def test_gpt_activation_bytes_rejects_nonsense():
         gpt_activation_bytes(config, 1, 65)
     with pytest.raises(ValueError, match="dtype=torch.float64"):
         gpt_activation_bytes(config, 1, 16, torch.float64)
-    with pytest.raises(ValueError, match="recompute='selective'"):
-        gpt_activation_bytes(config, 1, 16, recompute="selective")
+    with pytest.raises(ValueError, match="recompute='some'"):
+        gpt_activation_bytes(config, 1, 16, recompute="some")
 
 
 # ---- training state: measured -----------------------------------------------------------------------

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from course_lib.data import SyntheticTokens, shard
 from course_lib.model import (
@@ -16,6 +17,7 @@ from course_lib.model import (
     loss_fn,
     param_count_formula,
     preset,
+    rms_norm,
 )
 
 # Published parameter counts of the real models (Qwen2 includes its q/k/v biases).
@@ -239,3 +241,32 @@ def test_shard_errors_name_the_numbers():
         SyntheticTokens(128, 8).rank_batch(step=0, global_batch=10, rank=0, world_size=4)
     with pytest.raises(ValueError, match="rank=2 is outside 0..1"):
         shard(torch.zeros(4, 3), rank=2, world_size=2)
+
+
+# ---- the fused-kernel RMSNorm -----------------------------------------------------------------------------
+
+def test_fused_rms_norm_equals_torchs_in_float64_values_and_gradients():
+    """model.FusedRMSNorm's hand-written forward and backward against F.rms_norm (autograd through its ops)
+    and against finite differences (gradcheck)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(16, dtype=torch.float64, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 5, 16, dtype=torch.float64, generator=generator)
+    ours = rms_norm(x, weight, 1e-5)
+    theirs = F.rms_norm(x, (16,), weight, 1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    for mine, torchs in zip(torch.autograd.grad(ours, (x, weight), grad),
+                            torch.autograd.grad(theirs, (x, weight), grad)):
+        torch.testing.assert_close(mine, torchs, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-5), (x, weight))
+
+
+def test_fused_rms_norm_saves_its_input_the_weight_and_one_fp32_rstd_per_token():
+    x = torch.randn(2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        rms_norm(x, weight, 1e-5)
+    assert [t.untyped_storage().data_ptr() for t in saved[:2]] == [x.untyped_storage().data_ptr(),
+                                                                   weight.untyped_storage().data_ptr()]
+    assert saved[2].dtype == torch.float32 and saved[2].shape == (2, 4, 1) and len(saved) == 3

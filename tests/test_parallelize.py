@@ -24,16 +24,16 @@ TINY = preset("tiny")
 
 
 def test_the_options_name_every_rule_they_break_in_one_error():
-    options = Parallelism(zero_stage=1, vocab_parallel=True, activation_checkpointing="full", num_chunks=3,
+    options = Parallelism(zero_stage=1, vocab_parallel=True, activation_checkpointing="selective", num_chunks=3,
                           sequence_parallel=True, num_microbatches=3)
     with pytest.raises(ValueError) as error:
         options.check(TINY, Mesh(dp=4, cp=2, pp=2, dp_replicate=2), batch_size=8, seq_len=16)
     message = str(error.value)
-    for rule in ("dp_replicate 2 with zero_stage=1", "sequence_parallel with cp 2", "vocab_parallel=True",
-                 "activation_checkpointing='full'", "pp 2 × num_chunks 3 = 6 virtual stages > 4 layers",
+    for rule in ("dp_replicate 2 with zero_stage=1", "sequence_parallel with cp 2",
+                 "pp 2 × num_chunks 3 = 6 virtual stages > 4 layers",
                  "is not divisible by num_microbatches=3"):
         assert rule in message, rule
-    assert message.count("; ") >= 5
+    assert message.count("; ") >= 3
     Parallelism().check(TINY, Mesh(dp=2, tp=2, pp=2), batch_size=8, seq_len=16)     # a good layout: no error
     with pytest.raises(ValueError, match=r"activation_checkpointing='some': one of None, selective, full"):
         Parallelism(activation_checkpointing="some").check(TINY, Mesh())

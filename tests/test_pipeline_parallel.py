@@ -305,3 +305,56 @@ def test_pipeline_step_posts_every_message_from_its_own_thread_sends_with_receiv
         kinds = [ops for _, ops in batches]
         assert sum(ops.count("isend") for ops in kinds) == sum(ops.count("irecv") for ops in kinds) == 4
         assert ["irecv", "isend"] in kinds     # a send posted together with a receive
+
+
+# ------------------------------------------------- sequence parallelism across stages: s/tp between them
+
+BY_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+
+
+def tp_slice(name, whole, rank, tp, vocab_parallel):
+    """This TP rank's part of a whole-model gradient: column layers (and a split vocabulary) by rows of the
+    weight, row layers by columns, the rest whole."""
+    if name.endswith(BY_ROWS) or (vocab_parallel and name in ("embed.weight", "head.weight")):
+        return whole.chunk(tp, dim=0)[rank]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return whole.chunk(tp, dim=1)[rank]
+    return whole
+
+
+def tp_pipeline(rank, world_size, *, tp, sequence_parallel, vocab_parallel=False, num_microbatches=2):
+    """TP tp × PP world/tp on the tiny model in float64: one pipeline_step, its PP bytes traced."""
+    from course_lib.data import SyntheticTokens
+    from course_lib.mesh import Mesh, make_comms
+    from course_lib.pipeline_parallel import pipeline_step
+    from course_lib.tensor_parallel import apply_tp
+    torch.set_num_threads(1)
+    config, mesh = preset("tiny"), Mesh(tp=tp, pp=world_size // tp)
+    comms = make_comms(mesh, rank)
+    model = apply_tp(build(config, dtype=torch.float64), comms["tp"], sequence_parallel=sequence_parallel,
+                     vocab_parallel=vocab_parallel)
+    stage = make_stage(model, mesh.coords(rank)["pp"], partition_layers(config.num_layers, mesh.pp))
+    inputs, targets = SyntheticTokens(config.vocab_size, 16, seed=0).batch(0, 8)
+    with comms["pp"].trace() as sent:
+        result = pipeline_step(stage, comms["pp"], inputs, targets, num_microbatches=num_microbatches)
+    return {"loss": result["loss"], "pp_bytes": sent.wire_bytes, "tp_rank": mesh.coords(rank)["tp"],
+            "grads": {n: p.grad for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["whole vocabulary", "vocab-parallel"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["TP", "TP+SP"])
+def test_sequence_parallel_stages_pass_one_tpth_and_match_one_process(sequence_parallel, vocab_parallel):
+    """TP 2 × PP 2: under SP each rank sends its s/tp slice (activations from stage 0, their gradients from
+    stage 1), half of plain TP's bytes; loss and every gradient equal one process in float64."""
+    tp, pp, b, s = 2, 2, 8, 16
+    loss, grads = single_process_step(batch_size=b, seq_len=s, dtype=torch.float64)
+    boundary = b * s * preset("tiny").hidden * 8                  # float64, the whole batch
+    results = launch(tp_pipeline, tp * pp, tp=tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    for r in results:
+        assert r["pp_bytes"] == (boundary // tp if sequence_parallel else boundary)
+        if r["loss"] is not None:
+            assert r["loss"] == pytest.approx(loss, rel=0, abs=F64["atol"])
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, tp_slice(name, grads[name], r["tp_rank"], tp, vocab_parallel), **F64,
+                                       msg=name)
+    assert sum(len(r["grads"]) for r in results) == tp * len(grads)   # every parameter, on every TP rank

@@ -108,19 +108,31 @@ def test_padding_is_the_only_gap():
         assert run["activation_bytes_peak"] == formula["activation_bytes_peak"]
 
 
-def test_what_is_not_in_the_course_code_is_computed_and_labelled():
-    mesh = Mesh(dp=2, tp=2, pp=2)
-    plain = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="none")
-    selective = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="selective")
-    assert plain["activation_bytes_peak"] == selective["activation_bytes_peak"]   # SDPA keeps no scores anyway
-    full = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute="full")
-    assert full["computed"] == ["activation_bytes_peak"] and "activation_bytes_peak" not in full["measured"]
-    assert full["activation_bytes_peak"] == full["formulas"]["activation_bytes_peak"]
-    assert full["activation_bytes_peak"] < selective["activation_bytes_peak"]
-    sp = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, sequence_parallel=True)
-    assert sp["computed"] == ["sent_bytes.pp"] and "activation_bytes_peak" in sp["measured"]
-    assert sp["sent_bytes"]["pp"] == selective["sent_bytes"]["pp"] / mesh.tp   # Megatron's stages pass s/tp
-    assert sp["activation_bytes_peak"] < selective["activation_bytes_peak"]
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["TP", "TP+SP"])
+def test_recomputation_and_the_split_vocabulary_run_and_equal_the_formulas(sequence_parallel):
+    """apply_checkpointing and apply_tp(..., vocab_parallel=True) for real, with the SP hand-off between stages:
+    nothing is computed; the peak (most held + the largest rerun), the state and every axis's bytes equal
+    per_rank's formulas, the reruns' TP collectives included."""
+    mesh, m = Mesh(dp=2, tp=2, pp=2), 2
+    runs = {recompute: run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m, recompute=recompute,
+                                sequence_parallel=sequence_parallel, vocab_parallel=True)
+            for recompute in ("none", "selective", "full")}
+    for recompute, run in runs.items():
+        assert run["computed"] == [], recompute
+        formula = run["formulas"]
+        for key in ("activation_bytes_peak", "activation_bytes_per_microbatch", "state_bytes"):
+            assert run[key] == formula[key], (recompute, key)
+        assert run["sent_bytes"]["tp"] == formula["sent_bytes"]["tp"], recompute
+        assert run["sent_bytes"]["pp"] == formula["sent_bytes"]["pp"], recompute
+    assert runs["full"]["activation_bytes_peak"] < runs["selective"]["activation_bytes_peak"] < runs["none"][
+        "activation_bytes_peak"]
+    assert runs["full"]["sent_bytes"]["tp"] > runs["none"]["sent_bytes"]["tp"]   # a rerun block's collectives
+    assert runs["selective"]["sent_bytes"]["tp"] == runs["none"]["sent_bytes"]["tp"]   # the core talks to nobody
+    plain = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m, sequence_parallel=sequence_parallel)
+    assert runs["none"]["state_bytes"]["total"] < plain["state_bytes"]["total"]   # V/tp rows of embedding and head
+    if sequence_parallel:      # the stages pass s/tp of the sequence
+        assert runs["none"]["sent_bytes"]["pp"] == run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m)[
+            "sent_bytes"]["pp"] / mesh.tp
 
 
 @pytest.mark.parametrize("rank_kind", ["first", "middle", "last"])
@@ -141,10 +153,13 @@ def test_sequence_parallelism_runs_and_equals_the_formulas(rank_kind):
     assert sp["state_bytes"] == plain["state_bytes"]
     assert sp["sent_bytes"]["tp"] == formula["sent_bytes"]["tp"] and sp["sent_bytes"]["dp"] == plain["sent_bytes"]["dp"]
     # per micro-batch: 4 all-gathers + 4 reduce-scatters per layer (plain TP's 4 all-reduces, the same bytes), an
-    # all-gather at each end of the stage, an all-reduce of each norm's weight gradient
-    assert sp["ops"]["tp"] == {"all_gather": m * (4 * layers + 2), "reduce_scatter": m * 4 * layers,
+    # all-gather at the first stage's start (backward) and the last stage's end (forward): the stages pass slices;
+    # an all-reduce of each norm's weight gradient
+    ends = (stage == 0) + (stage == mesh.pp - 1)
+    assert sp["ops"]["tp"] == {"all_gather": m * (4 * layers + ends), "reduce_scatter": m * 4 * layers,
                                "all_reduce": m * 2 * layers}
-    traffic = tp_step_traffic(TINY, 1, 16, mesh.tp, e, sequence_parallel=True, num_layers=layers)
+    traffic = tp_step_traffic(TINY, 1, 16, mesh.tp, e, sequence_parallel=True, num_layers=layers, stage=stage,
+                              num_stages=mesh.pp)
     assert m * traffic["layers_wire_bytes"] == plain["sent_bytes"]["tp"]
     assert sp["sent_bytes"]["tp"] == m * traffic["wire_bytes_per_rank"]
 
@@ -339,3 +354,15 @@ def test_command_line_runs_cp_and_ep(capsys):
     run = json.loads(capsys.readouterr().out)
     assert run["coords"] == {"dp": 3, "tp": 0, "pp": 0, "ep": 3} and run["computed"] == ["state_bytes", "sent_bytes.dp"]
     assert run["state_bytes"]["weights"] == 2 * params_per_rank(preset("mixtral-8x7b"), Mesh(dp=4, ep=4), 0)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_norm_as_the_cpu_runs_it_equals_its_formula_too(recompute):
+    """fused_norm=False: every RMSNorm runs F.rms_norm (fp32 copies of its input and of x·rstd, as torch runs it on
+    the CPU), and the formulas' fused_norm=False predicts it; the fused norm keeps less."""
+    mesh = Mesh(dp=2, tp=2, pp=2)
+    runs = {fused: run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute=recompute,
+                            sequence_parallel=True, fused_norm=fused) for fused in (True, False)}
+    for run in runs.values():
+        assert run["computed"] == [] and run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
+    assert runs[True]["activation_bytes_peak"] < runs[False]["activation_bytes_peak"]
