@@ -243,8 +243,10 @@ def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
 
 
 def explorer_cell(page):
-    """The cell that builds the notebook's explorer panel (the one that calls ``explorers.``)."""
-    return page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="explorers.")).last
+    """The cell that shows the notebook's explorer panel (it calls ``explorers.`` and shows widgets: 06 also
+    builds a panel it never displays, to check it)."""
+    cells = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="explorers."))
+    return cells.filter(has=page.locator(".jupyter-widgets")).last
 
 
 def move_one_control_and_see_the_figure_change(page, name: str) -> None:
