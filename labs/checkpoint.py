@@ -135,8 +135,29 @@ def main(argv=None):
           f"{reshard_gap:.1e} (tolerance {TOLERANCE:g})")
     assert gap < TOLERANCE and reshard_gap < TOLERANCE, (gap, reshard_gap)
     path = write_record(args, "checkpoint", record)
-    print(f"wrote {path}")
+    step_timeline(record).savefig(args.out / "checkpoint.png", dpi=100)
+    print(f"wrote {path} and .png")
     return record
+
+
+def step_timeline(record: dict):
+    """Each step as a bar: done once, or done again after the restart; the checkpoints and the kill marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(figsize=(7, 2.2))
+    again = range(record["started_at"], record["kill_at"]) if record["killed"] else range(0)
+    for step in range(record["steps"]):
+        axes.barh(0, 0.9, left=step, color="tab:orange" if step in again else "tab:green")
+    for step in range(record["every"], record["steps"], record["every"]):
+        axes.axvline(step - 0.05, color="black", linestyle="--", linewidth=1)
+    if record["killed"]:
+        axes.plot(record["kill_at"] + 0.45, 0, "rx", markersize=14, markeredgewidth=3)
+    axes.set_yticks([])
+    axes.set_xlabel("step (green: run once; orange: run again after the restart; dashed: checkpoint; x: rank killed)")
+    axes.set_title(f"{record['layout']}: {len(again)} step(s) lost, resumed from {record['resumed_from']}")
+    figure.tight_layout()
+    return figure
 
 
 if __name__ == "__main__":
