@@ -4,13 +4,25 @@ A layout is a mesh (dp × tp × pp), a ZeRO stage over dp and the number of micr
 Its busiest GPU holds
 
     state (per_rank.data_parallel_state_bytes; ZeRO-3: one layer gathered whole beside the shards)
-  + activations (per_rank.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s)
+  + activations (per_rank.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s;
+    interleaved over v chunks, stage 0 holds 1 + (p - 1)/(p·v) times as much)
   + a reserve (RESERVE_SHARE of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS
     workspaces, temporaries such as a gathered layer's output)
 
 and its step takes cost.step_time. The global batch ties the axes: m = B / (dp · b) micro-batches per step,
-so more dp means fewer micro-batches and a bigger bubble. ``compare_recipes`` costs every layout of four
-recipes and keeps the best of each; ``plan`` (course_lib/plan.py) asks its questions with them.
+so more dp means fewer micro-batches and a bigger bubble. ``compare_recipes`` costs every layout of five
+recipes and keeps the best of each; ``plan`` (course_lib/plan.py) asks its questions with them:
+
+    data parallel       DDP, ZeRO-1 or ZeRO-2 over every GPU
+    ZeRO-3 / FSDP       weights sharded too, over every GPU
+    FSDP + TP           TP inside the node, ZeRO-3 over the rest
+    TP + PP + ZeRO-1    Megatron-LM's: TP inside the node, a pipeline (1F1B, or interleaved over v = 2 chunks when
+                        that is faster and fits), ZeRO-1 over dp
+    TP + PP + FSDP      Llama 3's and torchtitan's: the same cuts with ZeRO-3 over dp. The course's ZeRO-3 gathers
+                        each layer's weights for every micro-batch and reduce-scatters its gradients every
+                        micro-batch (2m all-gathers and m reduce-scatters a step, cost.step_time); Llama 3 keeps
+                        the weights gathered between micro-batches instead, which costs the traffic and the
+                        memory of ZeRO-1 (the weights and gradients whole for the step, the rest sharded).
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from .tensor_parallel import check_tp_divisible
 from .units import GiB, MiB
 
 RESERVE_SHARE = 0.10   # of each GPU's memory, kept free for what no formula here counts (question 4)
-RECIPES = ("data parallel", "ZeRO-3 / FSDP", "FSDP + TP", "TP + PP + ZeRO-1")
+RECIPES = ("data parallel", "ZeRO-3 / FSDP", "FSDP + TP", "TP + PP + ZeRO-1", "TP + PP + FSDP")
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class Layout:
     memory: dict[str, int]    # the busiest GPU: state, activations, reserve, total
     gpu_bytes: int
     time: StepTime
+    num_chunks: int = 1       # v > 1: interleaved 1F1B over v chunks of layers per GPU
 
     @property
     def fits(self) -> bool:
@@ -87,7 +100,8 @@ class Layout:
         m, mem = self.mesh, self.memory
         zero = "no dp" if m.dp == 1 else stage_name(self.zero_stage)
         recipe = self.recipe + (" (no pipeline)" if self.recipe == "TP + PP + ZeRO-1" and m.pp == 1 else "")
-        return (f"{recipe}: dp {m.dp} × tp {m.tp} × pp {m.pp}, {zero}, m = {self.num_microbatches}: "
+        chunks = f" (interleaved, v = {self.num_chunks})" if self.num_chunks > 1 else ""
+        return (f"{recipe}: dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {self.num_microbatches}: "
                 f"{size_text(mem['total'])} of {size_text(self.gpu_bytes)} (state {size_text(mem['state'])} + activations "
                 f"{size_text(mem['activations'])} + reserve {size_text(mem['reserve'])}), "
                 f"{self.time.tokens_per_s:,.0f} tokens/s, MFU {self.time.mfu:.0%}")
@@ -115,13 +129,13 @@ def tp_splits_heads(config, tp: int) -> bool:
 
 
 def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
-                  pp_stage: int | None = None, vocab_parallel: bool = False) -> dict[str, int]:
+                  pp_stage: int | None = None, vocab_parallel: bool = False, num_chunks: int = 1) -> dict[str, int]:
     """Training state on the fullest GPU of ``mesh`` (or on a GPU of pipeline stage ``pp_stage``) with
     ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
     (per_rank.data_parallel_state_bytes)."""
     stages = range(mesh.pp) if pp_stage is None else [pp_stage]
     return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param,
-                                          vocab_parallel=vocab_parallel)
+                                          vocab_parallel=vocab_parallel, num_chunks=num_chunks)
                 for s in stages), key=lambda state: state["total"])
 
 
@@ -138,11 +152,13 @@ def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> i
 
 
 def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
-                   convention: str = "mixed", reserve_share: float = RESERVE_SHARE) -> dict[str, int]:
+                   convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
+                   num_chunks: int = 1) -> dict[str, int]:
     """Question 4 for one layout: {"state", "activations", "reserve", "total"} bytes on its busiest GPU.
 
     state: need_per_gpu of the GPU's stage (ZeRO-3: one layer gathered beside the shards); activations:
-    per_rank.activation_bytes_per_rank's peak for that stage under 1F1B, in the convention's 16- or 32-bit dtype;
+    per_rank.activation_bytes_per_rank's peak for that stage under 1F1B (interleaved 1F1B over ``num_chunks``
+    v > 1), in the convention's 16- or 32-bit dtype;
     reserve: ``reserve_share`` of the card. The busiest GPU is the stage with the largest sum (stage 0 holds the
     most micro-batches, the last stage the head)."""
     seq_len = workload.seq_len or config.max_seq_len
@@ -150,12 +166,13 @@ def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, g
     dtype = torch.bfloat16 if CONVENTIONS[convention].weight_bytes == 2 else torch.float32
     stages = []
     for stage in range(mesh.pp):
-        state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel)["total"]
+        state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel, num_chunks)["total"]
         state += gathered_layer_bytes(config, mesh.tp, convention) if zero_stage == 3 else 0
         activations = activation_bytes_per_rank(
             config, mesh, stage, micro_batch_size=workload.micro_batch_size, seq_len=seq_len, num_microbatches=m,
             dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
-            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm)["peak"]
+            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm, num_chunks=num_chunks,
+            schedule="interleaved" if num_chunks > 1 else "1f1b")["peak"]
         stages.append({"state": state, "activations": activations})
     busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
     reserve = int(reserve_share * gpu_bytes)
@@ -167,7 +184,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(config, num_gpus: int, node: int):
-    """(recipe, mesh, ZeRO stages to try, lowest first) for every grid the four recipes allow: TP degrees that
+    """(recipe, mesh, ZeRO stages to try, lowest first) for every grid the five recipes allow: TP degrees that
     divide the node and the heads, pipelines no deeper than the layers. Megatron-style TP + PP + ZeRO-1 includes
     pp = 1 (TP and ZeRO-1 alone), which Layout prints as "(no pipeline)"."""
     for tp in [t for t in _divisors(node) if tp_splits_heads(config, t)]:
@@ -180,6 +197,16 @@ def candidate_layouts(config, num_gpus: int, node: int):
             if pp == 1:
                 yield "FSDP + TP", mesh, (3,)
             yield "TP + PP + ZeRO-1", mesh, (1,)
+            if pp > 1 and mesh.dp > 1:         # (with dp 1 there is nothing to shard: it is the recipe above)
+                yield "TP + PP + FSDP", mesh, (3,)
+
+
+def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
+    """How many chunks a pipeline may take per GPU: 1 (1F1B), and 2 (interleaved) when every one of the p·2
+    virtual stages gets a layer and m is a multiple of p (Megatron-LM's rule, schedules.interleaved_actions)."""
+    p = mesh.pp
+    interleaves = p > 1 and config.num_layers >= 2 * p and num_microbatches % p == 0
+    return (1, 2) if interleaves else (1,)
 
 
 def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload, gpu="A100 80GB",
@@ -196,19 +223,21 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
         m = workload.num_microbatches(mesh.dp)
         if m is None:
             continue                         # the global batch does not split over this many replicas
-        for stage in stages:
-            memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=gpu_bytes, convention=convention,
-                                    reserve_share=reserve_share)
-            time = step_time(config, mesh, gpu=gpu, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
-                             num_microbatches=m, recompute=workload.recompute, zero_stage=stage,
-                             sequence_parallel=workload.sequence_parallel, dp_overlap=dp_overlap,
-                             gpus_per_node=gpus_per_node, bytes_per_element=CONVENTIONS[convention].weight_bytes,
-                             grad_bytes=CONVENTIONS[convention].grad_bytes, vocab_parallel=workload.vocab_parallel)
-            layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time)
-            if layout.fits or stage == stages[-1]:
-                break                        # the lowest ZeRO stage that fits: least traffic
-        old = best.get(recipe)
-        if old is None or (layout.fits, layout.time.tokens_per_s if layout.fits else -layout.memory["total"]) > (
-                old.fits, old.time.tokens_per_s if old.fits else -old.memory["total"]):
-            best[recipe] = layout
+        for num_chunks in chunk_choices(config, mesh, m):
+            for stage in stages:
+                memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=gpu_bytes, convention=convention,
+                                        reserve_share=reserve_share, num_chunks=num_chunks)
+                time = step_time(config, mesh, gpu=gpu, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
+                                 num_microbatches=m, recompute=workload.recompute, zero_stage=stage,
+                                 sequence_parallel=workload.sequence_parallel, dp_overlap=dp_overlap,
+                                 gpus_per_node=gpus_per_node, bytes_per_element=CONVENTIONS[convention].weight_bytes,
+                                 grad_bytes=CONVENTIONS[convention].grad_bytes, vocab_parallel=workload.vocab_parallel,
+                                 virtual_stages=num_chunks)
+                layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time, num_chunks)
+                if layout.fits or stage == stages[-1]:
+                    break                    # the lowest ZeRO stage that fits: least traffic
+            old = best.get(recipe)
+            if old is None or (layout.fits, layout.time.tokens_per_s if layout.fits else -layout.memory["total"]) > (
+                    old.fits, old.time.tokens_per_s if old.fits else -old.memory["total"]):
+                best[recipe] = layout
     return sorted(best.values(), key=lambda c: (not c.fits, -c.time.tokens_per_s))

@@ -30,6 +30,7 @@ from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, recomputed
 from .mesh import Mesh
 from .model import layer_projection_params
 from .pipeline_parallel import partition_layers
+from .schedules import SCHEDULES, op_parts, splits_backward
 from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 from .vocab_parallel import vocab_parallel_activation_bytes, vocab_parallel_traffic
 from .zero import wire_bytes_per_step
@@ -206,11 +207,36 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     return sent
 
 
-def microbatches_in_flight(mesh: Mesh, stage: int, num_microbatches: int, schedule: str = "1f1b") -> int:
-    """How many micro-batches' activations ``stage`` holds at once: GPipe all m; 1F1B min(p - s, m)."""
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule={schedule!r}: one of 1f1b, gpipe")
-    return num_microbatches if schedule == "gpipe" else min(mesh.pp - stage, num_microbatches)
+def held_over_schedule(mesh: Mesh, stage: int, num_microbatches: int, schedule: str = "1f1b",
+                       num_chunks: int = 1, chunk_bytes=lambda chunk: 1) -> tuple[int, int]:
+    """Walk ``stage``'s actions (schedules.SCHEDULES): a forward keeps what its chunk-micro-batch saves,
+    ``chunk_bytes(chunk)``, until its backward frees it (its W, when the schedule splits backward: the course
+    keeps the whole graph until the weight gradients are taken). Returns (the most chunk-micro-batches held at
+    once, the most bytes held at once)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
+    chunks = {"num_chunks": num_chunks} if schedule == "interleaved" else {}
+    actions = SCHEDULES[schedule](stage, mesh.pp, num_microbatches, **chunks)  # (schedule_actions checks them all)
+    frees = "W" if splits_backward([actions]) else "B"
+    held, most, now, peak = {}, 0, 0, 0
+    for action in actions:
+        kind, k, chunk = op_parts(action)
+        if kind == "F":
+            held[k, chunk] = chunk_bytes(chunk)
+            now += held[k, chunk]
+        elif kind == frees:
+            now -= held.pop((k, chunk))
+        most, peak = max(most, len(held)), max(peak, now)
+    return most, peak
+
+
+def microbatches_in_flight(mesh: Mesh, stage: int, num_microbatches: int, schedule: str = "1f1b",
+                           num_chunks: int = 1) -> int:
+    """How many micro-batches' activations ``stage`` holds at once: GPipe all m; 1F1B min(p - s, m); ZB-H1
+    min(p, m) on every stage (a micro-batch is held until its W); interleaved 1F1B over v chunks counts
+    chunk-micro-batches, each 1/v of a stage's layers: min((v - 1)·p + 2·(p - s - 1) + 1, v·m), so stage 0
+    holds 1 + (p - 1)/(p·v) times 1F1B's p stage-micro-batches (Korthikanti et al. 2022, 4.2.3)."""
+    return held_over_schedule(mesh, stage, num_microbatches, schedule, num_chunks)[0]
 
 
 def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, tp: int, cp: int) -> dict[str, int]:
@@ -235,15 +261,18 @@ def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, t
 def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
                               num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
                               recompute: str = "selective", sequence_parallel: bool = False,
-                              vocab_parallel: bool = False, fused_norm: bool = True) -> dict[str, int]:
+                              vocab_parallel: bool = False, fused_norm: bool = True,
+                              num_chunks: int = 1) -> dict[str, int]:
     """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
 
     One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks, with
     ``recompute``: course_lib.checkpointing's "selective" keeps q, k, v of each attention core, "full" each
     layer's input), plus the token ids on the first stage and the final norm, head and loss on the last
     (ledger.gpt_activation_bytes; ``vocab_parallel``: the split embedding's and loss's, vocab_parallel.
-    vocab_parallel_activation_bytes). The peak holds ``in_flight`` of them (microbatches_in_flight), plus what one
-    rerun saves while backward recomputes it (ledger.recomputed_layer_bytes). With cp > 1 each rank holds s/cp
+    vocab_parallel_activation_bytes). The peak is the most the schedule holds at once (held_over_schedule:
+    ``in_flight`` micro-batches, or chunk-micro-batches when ``num_chunks`` v > 1, each chunk its own layers and
+    the model's ends only on the first and last virtual stage), plus what one rerun saves while backward
+    recomputes it (ledger.recomputed_layer_bytes). With cp > 1 each rank holds s/cp
     tokens: every term at s/cp, attention's as context_parallel_layer_terms ("full" only: selective would rerun
     the ring). ``fused_norm`` False: the norms as F.rms_norm on the CPU saves them (ledger.rms_norm_bytes).
     Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
@@ -252,7 +281,7 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
     mesh.check_sequence(seq_len)
-    b, s, num_layers = micro_batch_size, seq_len // mesh.cp, len(partition_layers(config.num_layers, mesh.pp)[stage])
+    b, s = micro_batch_size, seq_len // mesh.cp
     terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, fused_norm=fused_norm,
                                        recompute="none" if mesh.cp > 1 and recompute == "selective" else recompute)
     if mesh.cp > 1 and recompute != "full":
@@ -262,13 +291,19 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     if vocab_parallel and mesh.tp > 1:
         split = vocab_parallel_activation_bytes(b, s, config.vocab_size, mesh.tp)
         embed, loss = split["embed"], split["loss"]
-    edges = (embed if stage == 0 else 0) + (whole["norm"] + whole["head"] + loss if stage == mesh.pp - 1 else 0)
-    in_flight = microbatches_in_flight(mesh, stage, num_microbatches, schedule)
-    per_microbatch = num_layers * sum(terms.values()) + edges
+    parts, last = partition_layers(config.num_layers, mesh.pp, num_chunks=num_chunks), mesh.pp * num_chunks - 1
+
+    def chunk_bytes(chunk: int) -> int:      # what one micro-batch's forward through this chunk saves
+        virtual_stage = chunk * mesh.pp + stage
+        return (len(parts[virtual_stage]) * sum(terms.values()) + (embed if virtual_stage == 0 else 0)
+                + (whole["norm"] + whole["head"] + loss if virtual_stage == last else 0))
+
+    in_flight, held = held_over_schedule(mesh, stage, num_microbatches, schedule, num_chunks, chunk_bytes)
+    per_microbatch = sum(chunk_bytes(chunk) for chunk in range(num_chunks))
     rerun = 0 if mesh.cp > 1 and recompute == "selective" else recomputed_layer_bytes(   # (ring: no rerun)
         config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute, fused_norm=fused_norm)
     if mesh.cp > 1 and recompute == "full":     # the rerun layer's attention is ring attention's
         layer = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, fused_norm=fused_norm)
         layer.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
         rerun = sum(layer.values()) - terms["layer input"]
-    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": in_flight * per_microbatch + rerun}
+    return {"per_microbatch": per_microbatch, "in_flight": in_flight, "peak": held + rerun}

@@ -12,8 +12,9 @@
 3. Where are the node boundaries? If the sharded model fits in one node, keep it there and let the nodes be
    data-parallel replicas. If it must span nodes, the cross-node axis goes to pipeline parallelism (only
    boundary activations cross), tensor parallelism takes the node, and ZeRO shards what remains over the
-   data-parallel group: "TP inside the node + PP across nodes + ZeRO over everything". With a pipeline, ZeRO
-   stops at stage 1: stages 2 and 3 would reduce or gather for every micro-batch (DeepSpeed refuses them).
+   data-parallel group: "TP inside the node + PP across nodes + ZeRO over everything". With a pipeline this
+   question takes ZeRO-1, as the source and DeepSpeed do: stages 2 and 3 reduce (and gather) for every
+   micro-batch. That is a cost, not a rule: question 5 also costs ZeRO-3 with a pipeline (TP + PP + FSDP).
 
 The ZeRO stage is chosen again for the final layout (TP and PP already cut the model, so a lower rung may do).
 
@@ -26,9 +27,10 @@ sequence parallelism), decide:
    of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS workspaces, temporaries such as
    a gathered layer's output). The global batch ties the axes: m = B / (dp · b) micro-batches per step, so more
    dp means fewer micro-batches and a bigger bubble.
-5. Which recipe is fastest? Every layout of four recipes (data parallelism alone with DDP or ZeRO-1/2;
-   ZeRO-3 / FSDP alone; FSDP + TP; Megatron-style TP + PP + ZeRO-1) is costed with cost.step_time; the
-   fastest that fits wins, and the answer says by how much and why the others lost. (HSDP, FSDP sharded
+5. Which recipe is fastest? Every layout of five recipes (data parallelism alone with DDP or ZeRO-1/2;
+   ZeRO-3 / FSDP alone; FSDP + TP; Megatron-style TP + PP + ZeRO-1, with 1F1B or interleaved; TP + PP + FSDP,
+   as Llama 3 and torchtitan run it: layouts.py) is costed with cost.step_time; the fastest that fits wins, and
+   the answer says by how much and why the others lost, and calls a tie what the cost model cannot rank. (HSDP, FSDP sharded
    inside a node and replicated across nodes, sits between the last two: the same cuts as FSDP with less
    traffic across nodes and more memory per GPU.)
 """
@@ -60,6 +62,10 @@ from .mesh import Mesh
 from .model import param_count_formula
 from .pipeline_parallel import bubble_fraction
 
+# Two recipes within this share of each other's tokens/s are a tie: cost.step_time lands within 5 points of MFU
+# of published runs (cost.compare_published), about a tenth of a 45% MFU, so it cannot rank them.
+TIE_SHARE = 0.05
+
 
 @dataclass
 class Plan:
@@ -75,6 +81,7 @@ class Plan:
     candidates: list[Layout] = field(default_factory=list)   # the best layout of each recipe, fastest first
     gpu_bytes: int = 0
     source: tuple[Mesh, int] | None = None  # the three questions' layout and ZeRO stage, from the state alone
+    num_chunks: int = 1                     # v > 1: the chosen pipeline is interleaved over v chunks per GPU
 
     @property
     def fits(self) -> bool:
@@ -86,7 +93,8 @@ class Plan:
         else:
             m = self.mesh
             name = "no data parallelism" if m.dp == 1 else stage_name(self.zero_stage) + " over dp"
-            head = (f"dp {m.dp} × tp {m.tp} × pp {m.pp}, {name}, m = {self.num_microbatches}: "
+            chunks = f" (interleaved, v = {self.num_chunks})" if self.num_chunks > 1 else ""
+            head = (f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {name}, m = {self.num_microbatches}: "
                     f"{size_text(self.memory['total'])} per GPU, {self.time.tokens_per_s:,.0f} tokens/s, "
                     f"MFU {self.time.mfu:.0%}")
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
@@ -127,7 +135,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: 
                     source=source)
     return Plan(chosen.mesh, chosen.zero_stage, chosen.memory["state"], ask.budget, ask.answers,
                 num_microbatches=chosen.num_microbatches, memory=chosen.memory, time=chosen.time,
-                candidates=candidates, gpu_bytes=gpu_bytes, source=source)
+                candidates=candidates, gpu_bytes=gpu_bytes, source=source, num_chunks=chosen.num_chunks)
 
 
 @dataclass
@@ -250,8 +258,9 @@ class _Questions:
                 continue
             slower = {k: v - best.time.breakdown()[k] for k, v in other.time.breakdown().items()}
             worst = max(slower, key=slower.get)
-            parts.append(f"{other.recipe} {other.time.tokens_per_s / best.time.tokens_per_s:.2g}× as fast "
-                         f"({worst} +{seconds_text(slower[worst])} a step)")
+            ratio = other.time.tokens_per_s / best.time.tokens_per_s
+            tie = ", a tie: closer than the cost model can tell" if ratio > 1 - TIE_SHARE else ""
+            parts.append(f"{other.recipe} {ratio:.2g}× as fast ({worst} +{seconds_text(slower[worst])} a step{tie})")
         self.answers.append(f"fastest that fits: {best}" + ("; " + "; ".join(parts) if parts else ""))
 
 

@@ -138,13 +138,8 @@ def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, n
         raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
     if not 1 <= seq_len <= config.max_seq_len:
         raise ValueError(f"sequence length {seq_len} must be between 1 and max_seq_len={config.max_seq_len}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
-    if num_chunks > 1 and recompute == "full":
-        raise ValueError("recompute='full' with num_chunks > 1: its peak is a formula's, and the course has none "
-                         "for an interleaved schedule")
     if config.num_experts and recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
                          "formula for its MoE layer to check a rerun's bytes against")
@@ -200,7 +195,11 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     held = [[i for i, layer in enumerate(chunk.layers) if not isinstance(layer, torch.nn.Identity)]
             for chunk in stage_chunks(stage)]
     layers = [[chunk[0], chunk[-1] + 1] for chunk in held]
-    # recorder.in_flight: (time, micro-batches held, their saved bytes) after every forward and backward.
+    # recorder.in_flight: (time, micro-batches held, their saved bytes) after every op (recorder.events', in
+    # order): a forward's own bytes are what it added. One micro-batch's are micro-batch 0's, over its chunks.
+    after_ops = zip(recorder.events, recorder.in_flight, recorder.in_flight[1:])
+    per_microbatch = sum(now[2] - before[2] for event, before, now in after_ops
+                         if event.kind == "F" and event.microbatch == 0)
     result = {
         "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
         "layers": layers[0] if num_chunks == 1 else layers,       # v > 1: each chunk's [first, last + 1)
@@ -208,7 +207,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
                         if data_parallel else None),
         # the most held at once (at a backward's start), and the largest rerun that backward holds beside it
         "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight) + rerun.peak,
-        "activation_bytes_per_microbatch": next(nbytes for _, count, nbytes in recorder.in_flight if count == 1),
+        "activation_bytes_per_microbatch": per_microbatch,
         "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
         "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
         "ops": {axis: {op: totals.count for op, totals in log.summary().items()} for axis, log in logs.items()},
@@ -246,18 +245,18 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
     hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
     (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations, and an
-    interleaved schedule's (``num_chunks`` > 1), have no formula: None."""
+    (``num_chunks`` v > 1: its in-flight count is of chunk-micro-batches, per_rank.microbatches_in_flight)."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
-    if config.num_experts or num_chunks > 1:
-        activations = {"peak": None, "per_microbatch": None, "in_flight": None if num_chunks > 1 else
-                       microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
+    if config.num_experts:
+        activations = {"peak": None, "per_microbatch": None,
+                       "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule, num_chunks)}
     else:
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, num_microbatches=num_microbatches,
                                                 schedule=schedule, dtype=dtype, recompute=recompute,
                                                 sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                                                fused_norm=fused_norm)
+                                                fused_norm=fused_norm, num_chunks=num_chunks)
     sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
                                seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks,

@@ -43,6 +43,8 @@ WORLDS = [
      {"sequence_parallel": True, "recompute": "full", "vocab_parallel": True}),
     ("tp2 pp2 selective vocab", TINY, Mesh(tp=2, pp=2), 0, {"recompute": "selective", "vocab_parallel": True}),
     ("cp2 pp2 full", TINY, Mesh(cp=2, pp=2), 1, {"recompute": "full"}),
+    ("pp2 v2 tp2 sp full", TINY, Mesh(pp=2, tp=2), 1,
+     {"schedule": "interleaved", "num_chunks": 2, "recompute": "full", "sequence_parallel": True}),
 ]
 
 
@@ -60,18 +62,16 @@ def test_virtual_measurement_planner_and_cost_formulas_agree(name, config, mesh,
             assert run["activation_bytes_peak"] == formula["activation_bytes_peak"], name
         measured = [item for item in run["measured"] if item.startswith("sent_bytes")]
         assert measured and run["computed"] in ([], ["state_bytes", "sent_bytes.dp"]), name
-        # the planner: its state per GPU (mixed convention: 2 + 2 + 12 bytes) and its activation peak (the
-        # planner knows no interleaving: per_rank's formulas take the chunks)
+        # the planner: its state per GPU (mixed convention: 2 + 2 + 12 bytes) and its activation peak
         v = options.get("num_chunks", 1)
         vocab_parallel = options.get("vocab_parallel", False)
         assert run["state_bytes"] == data_parallel_state_bytes(config, mesh, stage, zero_stage, num_chunks=v,
                                                                vocab_parallel=vocab_parallel), name
-        if v == 1:
-            assert state_per_gpu(config, mesh, zero_stage, "mixed", stage, vocab_parallel) == run["state_bytes"], name
-        if not config.num_experts and v == 1:
+        assert state_per_gpu(config, mesh, zero_stage, "mixed", stage, vocab_parallel, v) == run["state_bytes"], name
+        if not config.num_experts:
             planned = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=1, seq_len=SEQ,
                                                 num_microbatches=M, schedule=options.get("schedule", "1f1b"),
-                                                dtype=torch.bfloat16,
+                                                dtype=torch.bfloat16, num_chunks=v,
                                                 sequence_parallel=options.get("sequence_parallel", False),
                                                 recompute=options.get("recompute", "selective"),
                                                 vocab_parallel=vocab_parallel)

@@ -366,3 +366,26 @@ def test_the_norm_as_the_cpu_runs_it_equals_its_formula_too(recompute):
     for run in runs.values():
         assert run["computed"] == [] and run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
     assert runs[True]["activation_bytes_peak"] < runs[False]["activation_bytes_peak"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_interleaved_stage_0_holds_1_plus_p_minus_1_over_pv_of_1f1b(recompute):
+    """Korthikanti et al. 2022 (4.2.3): with v chunks per rank, stage s holds (v - 1)·p + 2·(p - s - 1) + 1
+    chunk-micro-batches, each 1/v of its layers, so stage 0 holds 1 + (p - 1)/(p·v) times what 1F1B holds.
+    Measured on every stage of p = 4, v = 2, m = 8 (16 layers: 2 a chunk), against per_rank's walk of the
+    schedule; the middle stages, which hold no embedding or head, give the ratio exactly."""
+    config, mesh, m = preset("tiny", num_layers=16), Mesh(pp=4), 8
+    interleaved = dict(schedule="interleaved", num_chunks=2)
+    runs = [run_rank(config, mesh, stage, seq_len=16, num_microbatches=m, zero_stage=0, recompute=recompute,
+                     **interleaved) for stage in range(4)]
+    assert [run["microbatches_in_flight"] for run in runs] == [11, 9, 7, 5]
+    for stage, run in enumerate(runs):
+        formula = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=1, seq_len=16, num_microbatches=m,
+                                            recompute=recompute, num_chunks=2, schedule="interleaved")
+        assert run["activation_bytes_peak"] == formula["peak"] == run["formulas"]["activation_bytes_peak"]
+        assert run["activation_bytes_per_microbatch"] == formula["per_microbatch"]
+    if recompute == "none":                          # (a rerun would add the same layer to both)
+        for stage in (1, 2):
+            one_f_one_b = run_rank(config, mesh, stage, seq_len=16, num_microbatches=m, zero_stage=0, recompute="none")
+            ratio = runs[stage]["activation_bytes_peak"] / one_f_one_b["activation_bytes_peak"]
+            assert ratio == (4 + 2 * (3 - stage) + 1) / 2 / (4 - stage)      # 9/6 and 7/4
