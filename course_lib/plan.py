@@ -279,11 +279,6 @@ def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | No
     if mesh.pp > 1 and num_microbatches is not None and num_microbatches < mesh.pp:
         smells.append(f"PP {mesh.pp} stages > {num_microbatches} micro-batches: the bubble is "
                       f"{bubble_fraction(mesh.pp, num_microbatches):.0%} of the step")
-    if mesh.pp > 1 and zero_stage >= 2:
-        # not a law (DeepSpeed refuses it; torchtitan and Llama 3 run FSDP with PP): a cost to weigh
-        smells.append(f"ZeRO-{zero_stage} with a pipeline: its gradients (and weights) are reduced (and gathered) "
-                      "once per micro-batch instead of once per step, unless the stage keeps them whole for the "
-                      "step (then it saves no more memory than ZeRO-1)")
     if zero_stage == 3 and config is not None and gpu_bytes is not None:
         whole = zero_state_bytes(param_count_formula(config), 0, 1)["total"]
         if whole <= gpu_bytes:

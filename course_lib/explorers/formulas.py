@@ -157,14 +157,14 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     return panel
 
 
-def _memory_parts(config, mesh: Mesh, zero_stage: int, memory: dict[str, int]) -> dict[str, int]:
+def _memory_parts(config, mesh: Mesh, zero_stage: int, memory: dict[str, int], num_chunks: int = 1) -> dict[str, int]:
     """``memory`` (layouts.memory_per_gpu: state, activations, reserve) as plots.memory_bars draws it: the state
     split into weights, grads and optimizer state, on the pipeline stage whose state it counted (ZeRO-3's
     gathered layer counted with the weights and grads)."""
     gathered = layer_params(config, mesh.tp) if zero_stage == 3 else 0
     per_param = CONVENTIONS["mixed"]                    # plan's convention
     for stage in range(mesh.pp):
-        state = state_per_gpu(config, mesh, zero_stage, pp_stage=stage)
+        state = state_per_gpu(config, mesh, zero_stage, pp_stage=stage, num_chunks=num_chunks)
         parts = {"weights": state["weights"] + per_param.weight_bytes * gathered,
                  "grads": state["grads"] + per_param.grad_bytes * gathered, "optimizer": state["optimizer"]}
         if sum(parts.values()) == memory["state"]:
@@ -172,15 +172,16 @@ def _memory_parts(config, mesh: Mesh, zero_stage: int, memory: dict[str, int]) -
     raise AssertionError(f"no stage of {mesh} holds {memory['state']} bytes of state")   # layouts changed
 
 
-def _layout_text(mesh: Mesh, zero_stage: int) -> str:
+def _layout_text(mesh: Mesh, zero_stage: int, num_chunks: int = 1) -> str:
     """The layout as a bar's label. Without a dp axis ZeRO-1 and -2 change nothing, but ZeRO-3 still gathers one
-    layer whole beside the shards (layouts.memory_per_gpu counts it): two layouts that differ in bytes never
-    share a label."""
+    layer whole beside the shards (layouts.memory_per_gpu counts it), and an interleaved pipeline (v chunks per
+    GPU) holds more activations: two layouts that differ in bytes never share a label."""
     if mesh.dp == 1:
         axis = "no dp, ZeRO-3's gathered layer" if zero_stage == 3 else "no dp"
     else:
         axis = stage_name(zero_stage)
-    return f"dp{mesh.dp}×tp{mesh.tp}×pp{mesh.pp}, {axis}"
+    chunks = f" (v = {num_chunks})" if num_chunks > 1 else ""
+    return f"dp{mesh.dp}×tp{mesh.tp}×pp{mesh.pp}{chunks}, {axis}"
 
 
 def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_node=8, sequence_parallel=False,
@@ -232,8 +233,8 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
             panel.rows = {f"questions 1-3: {_layout_text(mesh, stage)}": _memory_parts(config, mesh, stage, memory)}
             for i, c in enumerate(chosen_plan.candidates):   # fastest first: the chosen one is the first
                 mark = "▶ " if chosen_plan.fits and i == 0 else ""
-                label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage)}"
-                panel.rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory)
+                label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage, c.num_chunks)}"
+                panel.rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory, c.num_chunks)
         sp = ", sequence parallel" if workload.sequence_parallel else ""
         recomputation = "no recomputation" if workload.recompute == "none" else f"{workload.recompute} recomputation"
         panel.draw(plots.memory_bars(panel.rows, capacity_bytes=capacity, capacity_label=chosen["gpu"],
@@ -243,7 +244,7 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
         if chosen_plan.candidates:
             print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>4}")
             for c in chosen_plan.candidates:
-                print(f"{c.recipe:17} {_layout_text(c.mesh, c.zero_stage) + f', m = {c.num_microbatches}':30} "
+                print(f"{c.recipe:17} {_layout_text(c.mesh, c.zero_stage, c.num_chunks) + f', m = {c.num_microbatches}':30} "
                       f"{format_bytes(c.memory['total']):>12}  {'yes' if c.fits else 'no':4} "
                       f"{c.time.tokens_per_s:>10,.0f} {c.time.mfu:>4.0%}")
         if chosen_plan.fits:
