@@ -77,8 +77,8 @@ def check_3d_layout(layout, workload: Workload = WORKLOAD) -> bool:
     GPUs of 80 GiB (4 nodes of 8) running ``workload``: 64 sequences of 4,096 tokens a step, selective
     recomputation, sequence parallelism. Checked with the course's own rules: dp·tp·pp = 32; TP divides the heads
     and stays inside a node; no more stages than layers; the batch splits into dp shares of num_microbatches
-    equal micro-batches (b = 64 / (dp·m) sequences each); no bad smell (plan.bad_smells: TP across nodes, ZeRO-2/3
-    with a pipeline); the bubble stays under 20%; the busiest GPU's state + activations + reserve fit on the card
+    equal micro-batches (b = 64 / (dp·m) sequences each); no bad smell (plan.bad_smells: TP across nodes); the
+    bubble stays under 20%; the busiest GPU's state + activations + reserve fit on the card
     (layouts.memory_per_gpu)."""
     config, batch = preset("llama2-70b"), workload.global_batch_size
     answer = read_answer(layout, KEYS)
@@ -120,4 +120,8 @@ def check_3d_layout(layout, workload: Workload = WORKLOAD) -> bool:
     print(f"✓ dp {mesh.dp} × tp {mesh.tp} × pp {mesh.pp}, {stage_name(stage)}, m = {m} (micro-batches of "
           f"{workload.micro_batch_size}): the busiest GPU needs {held} of {size_text(CARD)}; bubble {bubble:.1%}, TP "
           "inside the node")
+    if mesh.pp > 1 and stage >= 2:   # allowed (Llama 3 runs FSDP with PP), but not free: say what it costs
+        print(f"  note: ZeRO-{stage} beside a pipeline reduce-scatters the gradients"
+              + (" and gathers the weights" if stage == 3 else "") + f" for every one of the {m} micro-batches, "
+              "over this dp group's links (part 8 counts the bytes); ZeRO-1 does it once a step")
     return True
