@@ -11,7 +11,7 @@ from course_lib.ledger import CONVENTIONS, zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.model import PRESETS, preset
 from course_lib.per_rank import params_per_rank
-from course_lib.virtual import main, run_rank
+from course_lib.virtual import format_result, main, run_rank
 
 TINY = preset("tiny")
 ARGV = ["--preset", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--rank", "7", "--seq-len", "16",
@@ -103,3 +103,13 @@ def test_interleaved_needs_chunks_and_runs_with_them(capsys):
     assert main(["--preset", "tiny", "--pp", "2", "--schedule", "interleaved", "--num-chunks", "2",
                  "--num-microbatches", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == [[0, 1], [2, 3]]
+
+
+def test_the_table_marks_what_was_computed_not_measured():
+    run = run_rank(preset("tiny", num_experts=4), Mesh(dp=2, ep=2), 1, seq_len=16)
+    assert run["computed"] == ["state_bytes", "sent_bytes.dp"]
+    rows = {line.split()[0]: line for line in format_result(run).splitlines() if line.startswith("  ")}
+    assert all(rows[part].endswith("computed") for part in ("weights", "grads", "optimizer", "total", "dp"))
+    assert rows["ep"].endswith("measured: all_to_all x 16")   # 4 layers × (dispatch, combine) × (forward, backward)
+    assert rows["peak"].split()[2] == "-"                     # the MoE layer has no activation formula
+    assert "(dp 1, tp 0, pp 0, ep 1)" in format_result(run).splitlines()[0]
