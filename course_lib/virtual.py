@@ -4,7 +4,7 @@
         --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero 1 --recompute selective
     python -m course_lib.virtual --preset mixtral-8x7b --dp 4 --cp 2 --ep 8 --pp 4 --rank 5 --seq-len 32768
 
-each print a table (``--json``: run_rank's record, one JSON object): what rank 37 of 128 holds (training
+each prints a table (``--json``: run_rank's record, one JSON object): what rank 37 of 128 holds (training
 state, the peak of its saved activations over the schedule) and what it sends (bytes and ops on each axis),
 measured by running the course's own code, beside what the course's formulas say.
 
@@ -266,8 +266,9 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     interleaved schedule's (``num_chunks`` > 1) and ZB-H1's, have no formula: None."""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
-    if config.num_experts or num_chunks > 1 or schedule == "zb-h1":
-        activations = {"peak": None, "per_microbatch": None, "in_flight": None if num_chunks > 1 or schedule == "zb-h1" else
+    unknown = num_chunks > 1 or schedule == "zb-h1"     # per_rank counts 1F1B's and GPipe's micro-batches
+    if config.num_experts or unknown:
+        activations = {"peak": None, "per_microbatch": None, "in_flight": None if unknown else
                        microbatches_in_flight(mesh, stage, num_microbatches, schedule)}
     else:
         activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
@@ -313,7 +314,7 @@ def format_result(result: dict) -> str:
     how = "computed" if "state_bytes" in computed else "measured"
     lines.append("state, GiB")
     for part in ("weights", "grads", "optimizer", "total"):
-        row(part, (result["state_bytes"] or {}).get(part), formula["state_bytes"][part], 2**30, how)
+        row(part, result["state_bytes"][part], formula["state_bytes"][part], 2**30, how)
     lines.append("activations, GiB")
     row("per micro-batch", result["activation_bytes_per_microbatch"], formula["activation_bytes_per_microbatch"],
         2**30, "measured")
