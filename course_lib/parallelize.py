@@ -104,6 +104,10 @@ class Parallelism:
                          "seq_len/tp tokens")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             found.append(f"activation_checkpointing={self.activation_checkpointing!r}: one of None, selective, full")
+        if self.schedule == "zb-h1" and self.activation_checkpointing is not None:
+            found.append(f"schedule='zb-h1' with activation_checkpointing={self.activation_checkpointing!r}: ZB-H1's "
+                         "W is a second backward over the graph its B kept, and a checkpointed block's recomputation "
+                         "fails on that second pass (torch 2.13's torch.utils.checkpoint); run zb-h1 without it")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             found.append(f"num_chunks={self.num_chunks!r} must be a whole number >= 1")
         elif self.num_chunks > 1 and mesh.pp * self.num_chunks > config.num_layers:

@@ -4,8 +4,9 @@
         --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero 1 --recompute selective
     python -m course_lib.virtual --preset mixtral-8x7b --dp 4 --cp 2 --ep 8 --pp 4 --rank 5 --seq-len 32768
 
-prints one JSON object: what rank 37 of 128 holds (training state, the peak of its saved activations over
-the schedule) and what it sends (bytes and ops on each axis), measured by running the course's own code.
+each prints a table (``--json``: run_rank's record, one JSON object): what rank 37 of 128 holds (training
+state, the peak of its saved activations over the schedule) and what it sends (bytes and ops on each axis),
+measured by running the course's own code, beside what the course's formulas say.
 
 How. Two stand-ins make one rank of a huge world cheap, and nothing else changes:
 
@@ -62,6 +63,7 @@ import contextlib
 import json
 import sys
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -71,7 +73,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
 from .checkpointing import RecomputeMeter
-from .ledger import RECOMPUTE, check_zero_stage
+from .ledger import CONVENTIONS, RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
 from .model import PRESETS, RMSNorm, build, preset
@@ -153,7 +155,8 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
 
     Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
-    cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns).
+    cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns),
+    torch's Adam for fp32 weights (8 bytes: :func:`_optimizer`; its 4-byte step per tensor is not in total).
     Returns a dict that json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)), state_bytes,
     activation_bytes_peak, activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis,
     per op: counts; "cp" and "ep" when those degrees are > 1), measured / computed (which numbers are which),
@@ -176,7 +179,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         model = build(config, device="meta", dtype=dtype)
         for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
             norm.fused = fused_norm       # False: F.rms_norm, as the CPU runs it (model.RMSNorm)
-        parallel = parallelize(model, mesh, comms, rank, options)
+        parallel = parallelize(model, mesh, comms, rank, options, optimizer_kwargs=_optimizer(dtype))
         stage, data_parallel = parallel.stage, parallel.data_parallel
         recorder = StepRecorder(stage, measure_memory=True)
         traced = {**comms, "dp": comms["dp_cp"]}    # gradients are averaged over the dp × cp ranks
@@ -190,6 +193,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
             if data_parallel:
                 data_parallel.step()
                 state = measure_state_bytes(data_parallel, data_parallel.optimizer)
+                state["total"] -= state["step_counters"]   # torch Adam's step per tensor: not per parameter
         if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
             logs["dp"].records.extend(replicas.records)
     held = [[i for i, layer in enumerate(chunk.layers) if not isinstance(layer, torch.nn.Identity)]
@@ -210,7 +214,7 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
         "activation_bytes_per_microbatch": per_microbatch,
         "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
         "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
-        "ops": {axis: {op: totals.count for op, totals in log.summary().items()} for axis, log in logs.items()},
+        "ops": {axis: _ops(log) for axis, log in logs.items()},
         "measured": ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"],
         "computed": [],
         "formulas": formulas(config, mesh, rank, **workload),
@@ -232,20 +236,35 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     return result
 
 
+def _optimizer(dtype) -> dict:
+    """ZeroDataParallel's optimizer for weights of ``dtype``: 16-bit weights get MixedPrecisionAdam (an fp32
+    master copy, m and v: 12 bytes per parameter), fp32 weights torch's own Adam (m and v: 8 bytes, no master
+    copy: the weight is one already), ledger.CONVENTIONS "mixed" and "fp32"."""
+    return {"optimizer_class": torch.optim.Adam} if dtype == torch.float32 else {}
+
+
+def _ops(log) -> dict[str, int]:
+    """How many collectives of each op a trace holds. One over a group of one rank (ZeRO's over dp 1) sends
+    nothing and is left out: an axis of one rank lists no ops."""
+    return dict(Counter(record.op for record in log.records if record.group_size > 1))
+
+
 def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
              zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
              schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False,
              fused_norm: bool = True, num_chunks: int = 1) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
     beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
-    optimizer state), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
+    optimizer state, 8 in fp32: :func:`_optimizer`), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp,
+    ep) and
     data_parallel_bytes_per_step ("dp", one micro-step per micro-batch; "dp_ops": by op). These count no
     padding: ZeroDataParallel pads each unit (embedding, each layer, final norm, head) to a multiple of its
     group, so where the group does not divide a unit the run holds and sends a little more: fewer than dp
     parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
     hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
-    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations, and an
-    (``num_chunks`` v > 1: its in-flight count is of chunk-micro-batches, per_rank.microbatches_in_flight)."""
+    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations have no
+    formula: None. (``num_chunks`` v > 1: the in-flight count is of chunk-micro-batches,
+    per_rank.microbatches_in_flight.)"""
     stage = mesh.coords(rank)["pp"]
     e = torch.tensor([], dtype=dtype).element_size()
     if config.num_experts:
@@ -264,8 +283,9 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
                                           accumulation_steps=num_microbatches, num_chunks=num_chunks,
                                           vocab_parallel=vocab_parallel)
+    adam = CONVENTIONS["fp32" if dtype == torch.float32 else "mixed"].optimizer_bytes
     state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
-                                      optimizer_bytes=12, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
+                                      optimizer_bytes=adam, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
@@ -273,35 +293,95 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
 
 # ------------------------------------------------------------------------------------------ command line
 
+def _number(nbytes, unit: int) -> str:
+    """Bytes in ``unit`` (2**30: GiB, 10**9: GB), four significant digits; "-" where there is no number."""
+    return "-" if nbytes is None else f"{nbytes / unit:.4g}"
+
+
+def format_result(result: dict) -> str:
+    """run_rank's record as a table: state and activations in GiB (2**30 bytes), bytes sent per step in GB
+    (10**9, as links are rated), each beside the formula's number and marked measured or computed."""
+    formula, computed = result["formulas"], set(result["computed"])
+    coords = ", ".join(f"{axis} {index}" for axis, index in result["coords"].items())
+    spans = result["layers"] if isinstance(result["layers"][0], list) else [result["layers"]]
+    lines = [f"rank {result['rank']} of {result['world_size']} ({coords}): layers "
+             + " and ".join(f"[{first}, {end})" for first, end in spans) + " (first included, end excluded)",
+             f"{'':30}{'this run':>12}{'formula':>12}"]
+
+    def row(label, run, expected, unit, source):
+        lines.append(f"  {label:<28}{_number(run, unit):>12}{_number(expected, unit):>12}  {source}".rstrip())
+
+    how = "computed" if "state_bytes" in computed else "measured"
+    lines.append("state, GiB")
+    for part in ("weights", "grads", "optimizer", "total"):
+        row(part, result["state_bytes"][part], formula["state_bytes"][part], 2**30, how)
+    lines.append("activations, GiB")
+    row("per micro-batch", result["activation_bytes_per_microbatch"], formula["activation_bytes_per_microbatch"],
+        2**30, "measured")
+    row("in flight (micro-batches)", result["microbatches_in_flight"], formula["microbatches_in_flight"], 1, "measured")
+    row("peak", result["activation_bytes_peak"], formula["activation_bytes_peak"], 2**30, "measured")
+    lines.append("sent per step, GB")
+    for axis, sent in result["sent_bytes"].items():
+        ops = ", ".join(f"{op} x {count}" for op, count in result["ops"].get(axis, {}).items()) or "no ops"
+        source = "computed" if f"sent_bytes.{axis}" in computed else f"measured: {ops}"
+        row(axis, sent, formula["sent_bytes"].get(axis), 10**9, source)
+    lines.append(f"ran in {result['seconds']:.1f} s on a fake process group with meta tensors; formulas: "
+                 "course_lib.per_rank (no ZeRO padding)")
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's line breaks; adds "(default: ...)" where the default is a value (a default of
+    None or a flag's False: the help line says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", formatter_class=_HelpFormatter,
+                                     description=__doc__[:__doc__.index("How.")].rstrip())
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
-                        help="a model of course_lib.model.PRESETS (default llama2-70b)")
+                        help=f"the model: one of course_lib.model.PRESETS, {', '.join(sorted(PRESETS))}")
     ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.arguments: a bad value is one line, exit code 2
     parser.add_argument("--world-size", type=ranks,
-                        help="all the ranks; dp = world / (cp × tp × pp) if --dp is not given")
-    parser.add_argument("--dp", type=ranks)
-    parser.add_argument("--tp", type=ranks, default=1)
-    parser.add_argument("--pp", type=ranks, default=1)
+                        help="all the ranks (default: the product of the degrees); dp = world / (cp × tp × pp) "
+                             "if --dp is not given")
+    parser.add_argument("--dp", type=ranks, help="data-parallel degree (default: from --world-size, else 1)")
+    parser.add_argument("--tp", type=ranks, default=1, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=ranks, default=1, help="pipeline stages")
     parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
     parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
     parser.add_argument("--dp-replicate", type=ranks, default=1,
                         help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
-    parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0)
-    parser.add_argument("--seq-len", type=integer(1), default=4096)
-    parser.add_argument("--micro-batch-size", type=integer(1), default=1)
+    parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0, help="the rank to run")
+    parser.add_argument("--seq-len", type=integer(1),
+                        help="tokens per sequence (default: the preset's max_seq_len)")
+    parser.add_argument("--micro-batch-size", type=integer(1), default=1, help="sequences per micro-batch")
     parser.add_argument("--num-microbatches", type=integer(1, MAX_VIRTUAL_MICROBATCHES), default=1,
-                        help=f"at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: ~0.06 s for a 70B stack)")
+                        help=f"micro-batches per step, at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: "
+                             "~0.06 s for a 70B stack)")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
                         help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
-    parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
-    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--recompute", default="selective", choices=RECOMPUTE,
+                        help="activation recomputation: none, selective (each attention core), full (each block)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron's sequence parallelism with TP (off unless given)")
     parser.add_argument("--vocab-parallel", action="store_true",
-                        help="split the embedding, head and loss by vocabulary over TP (course_lib.vocab_parallel)")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"))
-    parser.add_argument("--num-chunks", type=int, default=1, help="layer chunks per stage (--schedule interleaved)")
-    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+                        help="split the embedding, head and loss by vocabulary over TP (off unless given)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved", "zb-h1"),
+                        help="the pipeline schedule (course_lib.schedules); interleaved needs --num-chunks >= 2")
+    parser.add_argument("--num-chunks", type=integer(1), default=1,
+                        help="layer chunks per stage, v (--schedule interleaved)")
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES),
+                        help="weights and gradients: bf16/fp16 with MixedPrecisionAdam (fp32 master, m, v: "
+                             "12 bytes), fp32 with torch's Adam (m, v: 8 bytes)")
+    parser.add_argument("--json", action="store_true",
+                        help="print run_rank's record as JSON instead of the table (off unless given)")
     args = parser.parse_args(argv)
+    if args.schedule == "interleaved" and args.num_chunks < 2:
+        parser.error(f"--schedule interleaved with --num-chunks {args.num_chunks}: give each stage v >= 2 chunks "
+                     "of layers (v = 1 is 1F1B)")
     size = (args.dp or 1) * args.tp * args.pp * args.cp * (args.dp_replicate if args.dp is None else 1)
     if size > MAX_VIRTUAL_WORLD:   # each degree is in range, their product need not be
         parser.error(f"dp × tp × pp × cp = {size:,} ranks: more than the {MAX_VIRTUAL_WORLD:,} a virtual world "
@@ -315,7 +395,8 @@ def main(argv=None) -> int:
             mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_replicate=args.dp_replicate)
             if args.world_size is not None:
                 mesh.check(args.world_size)
-        result = run_rank(config, mesh, args.rank, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        result = run_rank(config, mesh, args.rank, seq_len=args.seq_len or config.max_seq_len,
+                          micro_batch_size=args.micro_batch_size,
                           num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                           num_chunks=args.num_chunks,
@@ -323,7 +404,7 @@ def main(argv=None) -> int:
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1) if args.json else format_result(result))
     return 0
 
 

@@ -2,7 +2,7 @@
 (on torch's fake group, meta tensors) and what it measures equals what the planner (layouts), the cost model's
 traffic formula (tensor_parallel.tp_step_traffic, which cost.step_time charges) and per_rank say, exactly.
 
-Axes: dp with ZeRO 0-3, tp, sp, pp (1F1B, GPipe, interleaved over v chunks), cp, ep (a mixture of experts), hsdp. The tiny model (4
+Axes: dp with ZeRO 0-3, tp, sp, pp (1F1B, GPipe, interleaved over v chunks, ZB-H1), cp, ep (a mixture of experts), hsdp. The tiny model (4
 layers, hidden 64), 16 tokens, 2 micro-batches: each world takes a second or two. Where the course code does not
 run a thing (ep's data-parallel average over two groups) the virtual cluster says it computed it, and that number
 is held to the others only through per_rank."""
@@ -43,6 +43,7 @@ WORLDS = [
      {"sequence_parallel": True, "recompute": "full", "vocab_parallel": True}),
     ("tp2 pp2 selective vocab", TINY, Mesh(tp=2, pp=2), 0, {"recompute": "selective", "vocab_parallel": True}),
     ("cp2 pp2 full", TINY, Mesh(cp=2, pp=2), 1, {"recompute": "full"}),
+    ("pp2 zb-h1 dp2", TINY, Mesh(pp=2, dp=2), 1, {"schedule": "zb-h1", "recompute": "none"}),
     ("pp2 v2 tp2 sp full", TINY, Mesh(pp=2, tp=2), 1,
      {"schedule": "interleaved", "num_chunks": 2, "recompute": "full", "sequence_parallel": True}),
 ]
@@ -94,4 +95,4 @@ def test_every_axis_is_in_some_world():
         used |= {key for key in ("sequence_parallel", "num_chunks", "vocab_parallel") if options.get(key)}
         used |= {options.get("schedule", "1f1b"), options.get("recompute", "selective")}
     assert used >= {"dp", "tp", "pp", "cp", "ep", "hsdp", "zero0", "zero1", "zero2", "zero3", "sequence_parallel",
-                    "1f1b", "gpipe", "interleaved", "num_chunks", "vocab_parallel", "selective", "full"}
+                    "1f1b", "gpipe", "interleaved", "zb-h1", "num_chunks", "vocab_parallel", "selective", "full"}

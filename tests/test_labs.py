@@ -38,6 +38,18 @@ def load_lab(name: str):
     return module
 
 
+def exit_code_before_launch(monkeypatch, name: str, argv: list[str]) -> int:
+    """Lab ``name``'s main(argv) with its ``launch`` made to fail the test: the code it exits with first."""
+    lab = load_lab(name)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(lab, "launch", no_launch)
+    with pytest.raises(SystemExit) as stopped:
+        lab.main(argv)
+    return stopped.value.code
+
+
 @pytest.mark.parametrize("count, world_size, backend", [(8, 8, "nccl"), (8, 2, "nccl"), (1, 1, "nccl"),
                                                         (4, 8, "gloo"), (0, 2, "gloo")])
 def test_the_default_is_nccl_when_every_rank_has_a_gpu(monkeypatch, count, world_size, backend):
@@ -76,14 +88,7 @@ def test_under_torchrun_the_way_out_is_fewer_processes_per_node(monkeypatch):
 @pytest.mark.parametrize("name", list(LABS))
 def test_every_lab_stops_before_any_rank_starts(monkeypatch, capsys, name):
     gpus(monkeypatch, 1)
-    lab = load_lab(name)
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a rank was started")
-    monkeypatch.setattr(lab, "launch", no_launch)
-    with pytest.raises(SystemExit) as stopped:
-        lab.main(["--world-size", "8", "--backend", "nccl"])
-    assert stopped.value.code == 2          # argparse's usage error
+    assert exit_code_before_launch(monkeypatch, name, ["--world-size", "8", "--backend", "nccl"]) == 2   # usage error
     assert ("error: NCCL needs one GPU per rank: 8 ranks, 1 GPU; use --world-size 1 or --backend gloo"
             in capsys.readouterr().err)
 
@@ -122,15 +127,9 @@ BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
 @pytest.mark.parametrize("name, argv, message", BAD_ARGUMENTS)
 def test_a_bad_argument_stops_the_lab_with_one_line_before_any_rank_starts(monkeypatch, capsys, name, argv, message):
     gpus(monkeypatch, 0)
-    lab = load_lab(name)
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a rank was started")
-    monkeypatch.setattr(lab, "launch", no_launch)
-    with pytest.raises(SystemExit) as stopped:
-        lab.main(argv.split())
+    code = exit_code_before_launch(monkeypatch, name, argv.split())
     err = capsys.readouterr().err
-    assert stopped.value.code == 2, err
+    assert code == 2, err
     errors = [line for line in err.splitlines() if ": error: " in line]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
 

@@ -37,6 +37,8 @@ def test_the_options_name_every_rule_they_break_in_one_error():
     Parallelism().check(TINY, Mesh(dp=2, tp=2, pp=2), batch_size=8, seq_len=16)     # a good layout: no error
     with pytest.raises(ValueError, match=r"activation_checkpointing='some': one of None, selective, full"):
         Parallelism(activation_checkpointing="some").check(TINY, Mesh())
+    with pytest.raises(ValueError, match=r"schedule='zb-h1' with activation_checkpointing='full': ZB-H1's W"):
+        Parallelism(schedule="zb-h1", activation_checkpointing="full", num_microbatches=2).check(TINY, Mesh(pp=2))
 
 
 def _parallelize(config, mesh, rank, options=Parallelism()):

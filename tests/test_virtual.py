@@ -39,7 +39,8 @@ def assert_equals_formulas(config, mesh, rank, *, seq_len, micro_batch_size=1, n
     params = params_per_rank(config, mesh, stage)
     assert run["coords"] == {"dp": mesh.coords(rank)["dp"], "tp": mesh.coords(rank)["tp"], "pp": stage}
     assert run["layers"] == [layers.start, layers.stop]
-    state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=12)
+    adam = 8 if dtype == torch.float32 else 12     # torch's Adam (m, v) or MixedPrecisionAdam (+ an fp32 master)
+    state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=adam)
     assert run["state_bytes"] == state
     activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
                                             seq_len=seq_len, num_microbatches=m, schedule=schedule, dtype=dtype)
@@ -203,7 +204,7 @@ def test_bad_input_gets_the_real_runs_one_line_error(argv, real_check, capsys):
 def test_command_line_prints_one_json_object(capsys):
     import json
     assert main(["--preset", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--rank", "7", "--seq-len", "16",
-                 "--num-microbatches", "2", "--zero", "1", "--dtype", "fp32"]) == 0
+                 "--num-microbatches", "2", "--zero", "1", "--dtype", "fp32", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["rank"] == 7 and run["coords"] == {"dp": 1, "tp": 1, "pp": 1}
     assert set(run["state_bytes"]) == {"weights", "grads", "optimizer", "total"}
@@ -346,11 +347,11 @@ def test_what_the_virtual_cluster_does_not_run_with_cp_and_ep_is_refused():
 def test_command_line_runs_cp_and_ep(capsys):
     import json
     assert main(["--preset", "tiny", "--world-size", "8", "--cp", "2", "--tp", "2", "--rank", "5", "--seq-len", "16",
-                 "--dtype", "fp32"]) == 0
+                 "--dtype", "fp32", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["world_size"] == 8 and run["coords"] == {"dp": 1, "tp": 1, "pp": 0, "cp": 0}
     assert set(run["sent_bytes"]) == set(run["ops"]) == {"tp", "pp", "dp", "cp"}
-    assert main(["--preset", "mixtral-8x7b", "--dp", "4", "--ep", "4", "--rank", "3", "--seq-len", "64"]) == 0
+    assert main(["--preset", "mixtral-8x7b", "--dp", "4", "--ep", "4", "--rank", "3", "--seq-len", "64", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["coords"] == {"dp": 3, "tp": 0, "pp": 0, "ep": 3} and run["computed"] == ["state_bytes", "sent_bytes.dp"]
     assert run["state_bytes"]["weights"] == 2 * params_per_rank(preset("mixtral-8x7b"), Mesh(dp=4, ep=4), 0)

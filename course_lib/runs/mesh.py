@@ -131,19 +131,9 @@ def train_torch_2d(rank: int, world_size: int, *, dp: int = 2, tp: int = 2, step
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
-    dp_rank, losses = mesh["dp"].get_local_rank(), []
-    for step in range(steps):
-        inputs, targets = (shard(t, dp_rank, dp).to(device()) for t in data.batch(step, batch_size))
-        optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        loss = loss.detach()
-        dist.all_reduce(loss, group=mesh["dp"].get_group())
-        losses.append(loss.item() / dp)
-    return losses
+    return _train_with_adam(model, SyntheticTokens(config.vocab_size, seq_len, seed=seed), steps=steps,
+                            batch_size=batch_size, lr=lr, rank=mesh["dp"].get_local_rank(), size=dp,
+                            group=mesh["dp"].get_group())
 
 
 def train_torch_hsdp(rank: int, world_size: int, *, dp_shard: int = 2, dp_replicate: int = 2, steps: int = 3,
@@ -159,16 +149,23 @@ def train_torch_hsdp(rank: int, world_size: int, *, dp_shard: int = 2, dp_replic
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
-    losses = []
+    losses = _train_with_adam(model, SyntheticTokens(config.vocab_size, seq_len, seed=seed), steps=steps,
+                              batch_size=batch_size, lr=lr, rank=rank, size=world_size)
+    return {"losses": losses, "params_held": sum(p.to_local().numel() for p in model.parameters())}
+
+
+def _train_with_adam(model, data: SyntheticTokens, *, steps: int, batch_size: int, lr: float, rank: int, size: int,
+                     group=None) -> list[float]:
+    """torch's Adam for ``steps`` steps, each on this rank's 1/``size`` of the batch (``rank`` of the ``size``
+    data-parallel ranks that ``group`` holds). Returns the whole batch's loss at each step: the ranks' mean."""
+    optimizer, losses = torch.optim.Adam(model.parameters(), lr=lr), []
     for step in range(steps):
-        inputs, targets = (shard(t, rank, world_size).to(device()) for t in data.batch(step, batch_size))
+        inputs, targets = (shard(t, rank, size).to(device()) for t in data.batch(step, batch_size))
         optimizer.zero_grad()
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
         loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world_size)
-    return {"losses": losses, "params_held": sum(p.to_local().numel() for p in model.parameters())}
+        dist.all_reduce(loss, group=group)
+        losses.append(loss.item() / size)
+    return losses
