@@ -54,8 +54,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .per_rank import params_per_rank
-from .pipeline_parallel import partition_layers
+from .per_rank import layers_per_rank, params_per_rank
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -256,8 +255,7 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
     train = state["train"]
     for unit in data_parallel.units:
         data_parallel.optimizer.state[unit.shard]["step"].fill_(train["step"])
-        if data_parallel.stage in (1, 2):
-            data_parallel.comm.all_gather(unit.full, unit.shard.detach().clone())
+    data_parallel.regather_weights()
     torch.set_rng_state(train["rng"])
     return train
 
@@ -316,7 +314,7 @@ def predicted_bytes(config, mesh, stage: int, tp_rank: int, bytes_per_param: int
     leaves whole) on tp ranks other than 0, which tp rank 0 writes."""
     params = params_per_rank(config, mesh, stage)
     if mesh.tp > 1 and tp_rank > 0:
-        layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
+        layers = layers_per_rank(config, mesh, stage)
         replicated = 2 * config.hidden * layers
         replicated += config.vocab_size * config.hidden if stage == 0 else 0
         replicated += config.hidden + config.vocab_size * config.hidden if stage == mesh.pp - 1 else 0

@@ -53,11 +53,6 @@ from .pipeline_parallel import bubble_fraction, partition_layers
 from .tensor_parallel import tp_step_traffic
 from .zero import wire_bytes_per_step
 
-# The old flat model's share of the dense peak for a whole step's compute, kept for step_time's
-# ``compute_efficiency`` (a what-if); by default each operation is timed on its roofline (course_lib.operations).
-DEFAULT_EFFICIENCY = 0.6
-
-
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
 
 def forward_terms(config: ModelConfig, *, batch_size: int, seq_len: int) -> dict[str, int]:
@@ -232,9 +227,8 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
         raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] (or None), "
                          + ", ".join(f"{k}={x}" for k, x in shares.items()) + " in [0, 1]: they are shares")
     # Each of the p·v chunks holds a layer, or the embedding or the head alone (Llama 3's first and last chunks).
-    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a whole number >= 1")
-    if not isinstance(v, int) or v < 1 or p * v > config.num_layers + 2:
+    check_whole("gpus_per_node", gpus_per_node)
+    if p * v > config.num_layers + 2:
         raise ValueError(f"virtual_stages={v!r}: pp {p} × v chunks > {config.num_layers} layers + embedding + head")
 
     kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=bytes_per_element)

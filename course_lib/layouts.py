@@ -63,7 +63,7 @@ class Workload:
             check_whole("seq_len", self.seq_len)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-        if self.micro_batch_size < 1 or self.global_batch_size < self.micro_batch_size:
+        if self.global_batch_size < self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and <= global_batch_size="
                              f"{self.global_batch_size}")
 

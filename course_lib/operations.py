@@ -6,8 +6,8 @@ Every kernel is limited by one of three things, and takes the longest of them:
 
 A matmul [M, K] × [K, N] does 2·M·K·N FLOPs and moves at least (M·K + K·N + M·N) · e bytes (read both operands,
 write the result once; e bytes per element). Its rate is not the dense peak: hardware.matmul_rate gives the
-share a GEMM of that shape reaches (published benchmarks: large GEMMs ~80% of an A100's peak, ~70% of an
-H100's, less when a dimension is small). Backward runs two more GEMMs of the same three dimensions, dX and dW:
+share a GEMM of that shape reaches (published benchmarks, hardware.GEMM_SOURCES: large GEMMs ~75% of an A100's
+peak, ~67% of an H100's, less when a dimension is small). Backward runs two more GEMMs of the same three dimensions, dX and dW:
 three GEMMs per weight matrix in all (four with full recomputation's extra forward).
 
 The operations that no FLOP formula counts (MFU leaves them out, see cost.py) are memory-bound: a few FLOPs per

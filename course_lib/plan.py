@@ -63,7 +63,7 @@ from .model import param_count_formula
 from .pipeline_parallel import bubble_fraction
 
 # Two recipes within this share of each other's tokens/s are a tie: cost.step_time lands within 5 points of MFU
-# of published runs (cost.compare_published), about a tenth of a 45% MFU, so it cannot rank them.
+# of published runs (published.compare_published), about a tenth of a 45% MFU, so it cannot rank them.
 TIE_SHARE = 0.05
 
 
@@ -113,7 +113,7 @@ def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: 
     if convention not in CONVENTIONS:
         raise ValueError(f"convention={convention!r}: choose one of {', '.join(map(repr, CONVENTIONS))}")
     check_number("reserve_share", reserve_share, at_least=0, below=1)
-    if num_gpus < 1 or gpus_per_node < 1 or num_gpus % min(gpus_per_node, num_gpus):
+    if num_gpus % min(gpus_per_node, num_gpus):
         raise ValueError(f"num_gpus={num_gpus} must be a whole number of nodes of gpus_per_node={gpus_per_node}")
     workload = workload or Workload()
     gpu_bytes = gpu_bytes or find_gpu(gpu).memory_bytes

@@ -236,11 +236,16 @@ def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     return result
 
 
+def _convention(dtype) -> str:
+    """The state convention a run with weights of ``dtype`` keeps (ledger.CONVENTIONS): "mixed" for 16-bit
+    weights (MixedPrecisionAdam: an fp32 master copy, m and v, 12 bytes per parameter), "fp32" for fp32 weights
+    (torch's own Adam: m and v, 8 bytes, no master copy: the weight is one already)."""
+    return "fp32" if dtype == torch.float32 else "mixed"
+
+
 def _optimizer(dtype) -> dict:
-    """ZeroDataParallel's optimizer for weights of ``dtype``: 16-bit weights get MixedPrecisionAdam (an fp32
-    master copy, m and v: 12 bytes per parameter), fp32 weights torch's own Adam (m and v: 8 bytes, no master
-    copy: the weight is one already), ledger.CONVENTIONS "mixed" and "fp32"."""
-    return {"optimizer_class": torch.optim.Adam} if dtype == torch.float32 else {}
+    """ZeroDataParallel's optimizer for weights of ``dtype`` (:func:`_convention`)."""
+    return {"optimizer_class": torch.optim.Adam} if _convention(dtype) == "fp32" else {}
 
 
 def _ops(log) -> dict[str, int]:
@@ -283,7 +288,7 @@ def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: i
     dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
                                           accumulation_steps=num_microbatches, num_chunks=num_chunks,
                                           vocab_parallel=vocab_parallel)
-    adam = CONVENTIONS["fp32" if dtype == torch.float32 else "mixed"].optimizer_bytes
+    adam = CONVENTIONS[_convention(dtype)].optimizer_bytes
     state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
                                       optimizer_bytes=adam, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
     return {"state_bytes": state, "activation_bytes_peak": activations["peak"],

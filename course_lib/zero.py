@@ -301,14 +301,20 @@ class ZeroDataParallel(nn.Module):
                                    "step() must run outside no_sync()")
             unit.backwards, unit.reduced = 0, False
         self.optimizer.step()
+        self.regather_weights()
         for unit in self.units:
-            if self.stage in (1, 2):
-                self.comm.all_gather(unit.full, unit.shard.detach().clone())   # a copy: the input is part of the output
             if unit.flat_grad is not None:
                 unit.flat_grad.zero_()                      # backward adds into these views next step
             else:
                 unit.shard.grad.zero_()                     # stages 2, 3: micro-steps add into it
         self._record("step", None)
+
+    def regather_weights(self):
+        """ZeRO-1/2 keep whole weights: after the shards change (an optimizer step, a checkpoint load) every rank
+        all-gathers them. (ZeRO-3 gathers a unit when it is used.)"""
+        if self.stage in (1, 2):
+            for unit in self.units:
+                self.comm.all_gather(unit.full, unit.shard.detach().clone())   # a copy: the input is part of the output
 
     def zero_grad(self, set_to_none: bool = True):
         """Nothing to do: step() zeroes the flat gradient buffers (stages 0, 1) that backward adds into, and
