@@ -204,21 +204,26 @@ def _boxes_with_starts(start: int, stop: int, shape, shard_start: int):
         at += torch.Size(sizes).numel()
 
 
-def init_optimizer_state(data_parallel) -> None:
-    """Give every shard the state torch's Adam makes at its first step (step 0, zero moments), so that a load
-    has tensors to write into before any step has run."""
-    for unit in data_parallel.units:
-        state = data_parallel.optimizer.state[unit.shard]
+def init_optimizer_state(optimizer: torch.optim.Optimizer, tensors) -> None:
+    """Give each of ``tensors`` the state torch's Adam makes at its first step (step 0, zero moments), so that a
+    load has tensors to write into before any step has run."""
+    for tensor in tensors:
+        state = optimizer.state[tensor]
         if not state:
-            state["step"] = torch.tensor(0.0)
-            for moment in MOMENTS:
-                state[moment] = torch.zeros_like(unit.shard, memory_format=torch.preserve_format)
+            state.update(step=torch.tensor(0.0), **{moment: torch.zeros_like(tensor) for moment in MOMENTS})
+
+
+def resume_counters(optimizer: torch.optim.Optimizer, tensors, train: dict) -> None:
+    """After a load: Adam's step counter of each of ``tensors`` and torch's RNG state, from the saved ``train``."""
+    for tensor in tensors:
+        optimizer.state[tensor]["step"].fill_(train["step"])
+    torch.set_rng_state(train["rng"])
 
 
 def course_state(data_parallel, mesh, rank: int, train: dict) -> dict:
     """The state dict to save or load: this rank's boxes of every weight and moment, and ``train`` (step, data
     position, RNG; a dict that loading fills in)."""
-    init_optimizer_state(data_parallel)
+    init_optimizer_state(data_parallel.optimizer, [unit.shard for unit in data_parallel.units])
     state = data_parallel.optimizer.state
     flats = {"model": [unit.shard.detach() for unit in data_parallel.units],
              **{m: [state[unit.shard][m] for unit in data_parallel.units] for m in MOMENTS}}
@@ -252,22 +257,16 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
     shards are loaded the dp ranks all-gather them, as after an optimizer step."""
     state = course_state(data_parallel, mesh, rank, train)
     dcp.load(state, checkpoint_id=path, planner=CourseLoadPlanner())
-    train = state["train"]
-    for unit in data_parallel.units:
-        data_parallel.optimizer.state[unit.shard]["step"].fill_(train["step"])
     data_parallel.regather_weights()
-    torch.set_rng_state(train["rng"])
-    return train
+    resume_counters(data_parallel.optimizer, [unit.shard for unit in data_parallel.units], state["train"])
+    return state["train"]
 
 
 # -------------------------------------------------------------------- one process, no wrapper of the course
 
 def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: dict) -> dict:
     """The same names for a whole model and torch's Adam in one process: plain tensors, one box each."""
-    for param in model.parameters():
-        state = optimizer.state[param]
-        if not state:
-            state.update(step=torch.tensor(0.0), **{m: torch.zeros_like(param) for m in MOMENTS})
+    init_optimizer_state(optimizer, model.parameters())
     names = dict(model.named_parameters())
     return {"model": {n: p.detach() for n, p in names.items()},
             "optimizer": {"state": {n: {m: optimizer.state[p][m] for m in MOMENTS} for n, p in names.items()}},
@@ -281,9 +280,7 @@ def load_plain(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: s
     with warnings.catch_warnings():   # without a process group DCP warns that it assumes one process: it is one
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(), no_dist=not torch.distributed.is_initialized())
-    for param in model.parameters():
-        optimizer.state[param]["step"].fill_(state["train"]["step"])
-    torch.set_rng_state(state["train"]["rng"])
+    resume_counters(optimizer, model.parameters(), state["train"])
     return state["train"]
 
 
