@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from course_lib.checkpointing import POLICIES, apply_checkpointing
 from course_lib.cost import flops_per_step
 from course_lib.data import SyntheticTokens
 from course_lib.measure import SavedActivations
 from course_lib.model import build, loss_fn, preset, widened
+from course_lib.recompute import POLICIES, apply_checkpointing
 
 
 def main(argv=None):

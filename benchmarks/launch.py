@@ -2,7 +2,7 @@
 
     python benchmarks/launch.py
 
-Ours (`course_lib.launch`: forkserver with torch preloaded, cloudpickle) against
+Ours (`course_lib.runtime.launch`: forkserver with torch preloaded, cloudpickle) against
 `torch.multiprocessing.spawn` (every rank starts a fresh interpreter and imports torch), at 2, 4 and 8 ranks.
 "Cold" is the first launch of this process (it starts the forkserver, which imports torch once); "warm" is the
 median of the next few. Both sides form a real gloo process group and run one all_reduce.

@@ -3,15 +3,15 @@
 Start with :func:`launch`: it runs a function on N processes that form a ``torch.distributed`` group.
 """
 
-from .launch import RankError, RankTimeout, WorkerGroup, device, launch
-from .world import World
+from .runtime.launch import RankError, RankTimeout, WorkerGroup, device, launch
+from .runtime.world import World
 
 __all__ = ["launch", "device", "RankError", "RankTimeout", "WorkerGroup", "World"]
 
 
 def load_ipython_extension(ipython):
-    """``%load_ext course_lib`` adds the ``%ranks`` / ``%%ranks`` magics (see course_lib/magics.py)."""
-    from .magics import load_ipython_extension as add_magics
+    """``%load_ext course_lib`` adds the ``%ranks`` / ``%%ranks`` magics (see course_lib/runtime/magics.py)."""
+    from .runtime.magics import load_ipython_extension as add_magics
 
     add_magics(ipython)
 

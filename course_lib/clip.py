@@ -70,7 +70,7 @@ def clip_zero_(data_parallel, mesh, rank: int, max_norm: float, comm: Comm | Non
 def counted_parameters(module: torch.nn.Module, mesh, rank: int) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters of ``module`` (this rank's piece, not ZeRO-sharded) whose gradients this rank counts: a
     TP-split one on every tp rank, a TP replica on tp rank 0; an expert (a module under an MoE's ``experts``,
-    experts.apply_ep) on the first of its expert-dp replicas, anything else on dp rank 0 (and cp rank 0)."""
+    expert_parallel.apply_ep) on the first of its expert-dp replicas, anything else on dp rank 0 (and cp rank 0)."""
     place = mesh._place(rank)
     placement = tp_placement(module)
     counted = []

@@ -31,7 +31,7 @@ The 6ND rule: 6 · (all parameters) · (tokens), which counts each weight's mult
 (4), misses attention's s-dependent term and counts the embedding table as if it were a matmul. For llama2-7b
 at s = 4096 it is 12.3% below the exact count; for llama2-70b 6.9%.
 
-2. Step time (see step_time): each operation of a micro-batch timed on its roofline (course_lib.operations, with
+2. Step time (see step_time): each operation of a micro-batch timed on its roofline (course_lib.kernel_times, with
 hardware.py's GEMM curve), then the communication that is left exposed, the bubble and the optimizer. MFU and
 HFU keep the FLOP count above (Narayanan et al. eq. 3 on GPT shapes), whatever the kernels run. 3. a roofline
 for one layer (see roofline), 4. the published runs live in course_lib.published (compare_published), which
@@ -42,14 +42,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arguments import check_number, check_whole
 from .hardware import GPU, find_gpu
+from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import RECOMPUTE, active_params_per_token, check_zero_stage
 from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
-from .operations import Operation, head_operations, layer_operations, optimizer_operation
 from .per_rank import params_per_rank
 from .pipeline_parallel import bubble_fraction, partition_layers
+from .runtime.arguments import check_number, check_whole
 from .tensor_parallel import tp_step_traffic
 from .zero import wire_bytes_per_step
 
@@ -61,7 +61,7 @@ def forward_terms(config: ModelConfig, *, batch_size: int, seq_len: int) -> dict
         raise ValueError(f"batch_size={batch_size} must be >= 1 and seq_len={seq_len} in 1..{config.max_seq_len}")
     b, s, d, h_d, L = batch_size, seq_len, config.hidden, config.head_dim, config.num_layers
     tokens, n_h, n_kv = b * s, config.num_heads, config.num_kv_heads
-    # A mixture of experts (course_lib.experts) sends each token through top_k expert MLPs, after a router
+    # A mixture of experts (course_lib.expert_parallel) sends each token through top_k expert MLPs, after a router
     # matmul of d × num_experts: the FLOPs of the active experts, not of all of them.
     experts = getattr(config, "num_experts", 0)
     active_mlps, router = (config.top_k, L * 2 * tokens * d * experts) if experts else (1, 0)
@@ -121,7 +121,7 @@ def six_nd(config: ModelConfig, *, tokens: int) -> int:
 
 @dataclass
 class StepTime:
-    compute_s: float          # m micro-batches' operations on the busiest stage (operations.py's roofline)
+    compute_s: float          # m micro-batches' operations on the busiest stage (kernel_times.py's roofline)
     tp_s: float               # TP collectives left exposed after the overlap
     pp_s: float               # stage-to-stage sends and receives left exposed after the overlap
     dp_s: float               # DP traffic left exposed after the overlap
@@ -181,7 +181,7 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
     activation). Every micro-batch costs the same; the busiest stage sets the pace (partition_layers' split; the
     last stage also runs the final norm, the head and the loss):
 
-      compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.operations: each matmul
+      compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
                  at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
                  none below its kernel launches; ``attention``: "flash" or "unfused"). The head is whole on every
                  TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
@@ -205,7 +205,7 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
                  beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
                  1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers); the weights'
                  all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing.
-      optimizer_s = Adam's bytes (operations.optimizer_operation) over the GPU's parameters (/dp with ZeRO >= 1)
+      optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the GPU's parameters (/dp with ZeRO >= 1)
       total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
       mfu       = model FLOPs (flops_per_step: Narayanan et al. eq. 3's count) of the dp·m·b sequences /
                  (total_s · P · dp·tp·pp); hfu with hardware FLOPs.
@@ -332,20 +332,3 @@ def roofline(config: ModelConfig, gpu, *, micro_batch_size: int, seq_len: int, t
     layer = sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
     return {"rows": rows, "intensity": layer, "ridge": hw.ridge_point,
             "bound": "compute" if layer >= hw.ridge_point else "memory"}
-
-
-# ------------------------------------------------------------------------------------ 4. published runs
-
-def gpt_config(*, hidden: int, num_layers: int, num_heads: int, seq_len: int = 2048) -> ModelConfig:
-    """A GPT-3 style model as the course model: its 4d GeLU MLP (2 matrices, 8d² weights) has the FLOPs of a
-    SwiGLU of width 8d/3 (3 matrices), rounded to a multiple of 64 where 8d/3 is not whole (d = 4096: 10,944
-    for 10,922.7, 0.1% more FLOPs in all); vocabulary 51,200 (Megatron's). Norms and positions differ, which no
-    FLOP count sees."""
-    width = 8 * hidden // 3 if (8 * hidden) % 3 == 0 else round(8 * hidden / 3 / 64) * 64
-    return ModelConfig(vocab_size=51200, hidden=hidden, num_layers=num_layers, num_heads=num_heads,
-                       intermediate=width, max_seq_len=seq_len)
-
-
-LLAMA3_405B = ModelConfig(vocab_size=128256, hidden=16384, num_layers=126, num_heads=128, num_kv_heads=8,
-                          intermediate=53248, max_seq_len=8192, rope_theta=500000.0)   # Table 3; vocab: config.json
-

@@ -3,7 +3,7 @@
 Every number in the first table is a spec-sheet figure, not a measurement: what the vendor promises. Real
 kernels reach less: a matmul reaches a share of the dense peak that depends on its shape (the curve below,
 from published GEMM benchmarks), FlashAttention a smaller one, and nccl-tests' bus bandwidth ~75-90% of a
-link's rate. course_lib.operations times every operation of a step with these.
+link's rate. course_lib.kernel_times times every operation of a step with these.
 
     GPU          dense bf16 peak   memory    HBM bandwidth   NVLink per GPU, each way   network per GPU
     A100 40GB      312 TFLOP/s     40 GiB     1,555 GB/s      300 GB/s (NVLink 3)       200 Gb/s HDR IB
@@ -135,7 +135,7 @@ MATMUL_HALF_DIM = 128
 # A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
 HBM_SHARE = 0.85
 # A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
-# this). Each operation of course_lib.operations takes at least  kernels × KERNEL_LAUNCH_S.
+# this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
 KERNEL_LAUNCH_S = 5e-6
 GEMM_SOURCES = (
     "large bf16 GEMMs: cuBLAS reaches ~70-85% of the A100's 312 TFLOP/s (NVIDIA's 'Matrix Multiplication "

@@ -74,7 +74,7 @@ n_h = heads, h_d = head_dim, V = vocabulary, e = bytes per activation value, 2 i
 
 Only the rotary tables and the 4-byte weight sum do not grow with the batch.
 
-Activation checkpointing (course_lib.checkpointing, torch.utils.checkpoint) changes what a layer keeps:
+Activation checkpointing (course_lib.recompute, torch.utils.checkpoint) changes what a layer keeps:
 
     recompute="selective"   the attention core (GQA's repeat, SDPA) keeps only its inputs q, k, v, with k and v
                             at n_kv heads: attn = (bsd + 2·b·s·n_kv·h_d)·e + rotary tables; its output,
@@ -295,7 +295,7 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
     (Megatron-LM saves the slice and all-gathers it again in backward; Korthikanti's 34/t assumes that). So
     per layer the course saves 2·bsd·e more than "everything / tp" would.
 
-    ``recompute`` (course_lib.checkpointing): "selective", the attention core keeps q, k, v (k and v at their
+    ``recompute`` (course_lib.recompute): "selective", the attention core keeps q, k, v (k and v at their
     n_kv heads) and o_proj saves its output; "full", {"layer input": b·s·d·e (/ tp under SP)}: what the layer
     keeps while backward has not reached it. ``fused_norm`` False: the norms as F.rms_norm decomposed saves them
     (rms_norm_bytes). Exact for torch 2.13 on CPU (the virtual cluster and the tests measure it)."""
@@ -332,7 +332,7 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
 
 def recomputed_layer_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, tp: int = 1,
                            sequence_parallel: bool = False, *, recompute: str = "full", fused_norm: bool = True) -> int:
-    """What backward's rerun of one checkpointed piece saves beyond what the checkpoint holds (checkpointing.
+    """What backward's rerun of one checkpointed piece saves beyond what the checkpoint holds (recompute.
     RecomputeMeter measures it), held while backward goes through that piece: the peak adds it once.
 
     "full", a layer: its own terms (gpt_layer_activation_bytes) less its input, which the norm saves and the
@@ -357,7 +357,7 @@ def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.floa
 
     Returns the terms of the module docstring, keyed by the module that saves them (layer terms summed
     over all layers), and "total". Exact for torch 2.13 on CPU; batch_size=0 gives the part that does not
-    grow with the batch (rotary tables, one scalar). recompute (course_lib.checkpointing.apply_checkpointing):
+    grow with the batch (rotary tables, one scalar). recompute (course_lib.recompute.apply_checkpointing):
     "selective" checkpoints each attention core; "full" keeps each layer's input. With either, the total is the
     peak: plus what one rerun (a core, a layer) saves while backward recomputes it ("one layer, recomputed",
     recomputed_layer_bytes).

@@ -30,7 +30,7 @@ gathers stay on its fast links; only the all-reduce of 1/(dp_shard·cp) of the g
 
 Expert parallelism (ep) adds no dimension: it is carved out of the dp × cp ranks, which all hold the same layers.
 Number them c = dp_rank · cp + cp_rank; ep consecutive ones form an EP group ("ep", coordinate c mod ep) and split
-a mixture of experts' E experts, E/ep each (experts.apply_ep); the rest of the model stays replicated over them, as
+a mixture of experts' E experts, E/ep each (expert_parallel.apply_ep); the rest of the model stays replicated over them, as
 over dp. The ranks holding the same experts, dp·cp/ep of them, average those experts' gradients ("expert_dp").
 torchtitan builds the same groups (its ep = dp_shard_in_ep × cp); so does Megatron-LM's expert rank generator.
 """
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
-from .experts import check_ep_divisible
+from .expert_parallel import check_ep_divisible
 from .tensor_parallel import check_tp_divisible
 
 AXES = ("pp", "dp", "cp", "tp")   # slowest to fastest: the order of the coordinates, and of Mesh.grid()'s dims

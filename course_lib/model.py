@@ -20,7 +20,7 @@ Parameter count (P = `param_count_formula`, d = hidden, h = head_dim, L = num_la
                          + 3·d·intermediate                     (gate, up, down)
                          + 2·d]                                 (two norms)
         + d (final norm) + V·d (head, 0 when tied to embed)
-    A mixture of experts (num_experts = E > 0, course_lib.moe) has E MLPs and a router per layer:
+    A mixture of experts (num_experts = E > 0, course_lib.feed_forward) has E MLPs and a router per layer:
     3·d·intermediate becomes E·3·d·intermediate + d·E.
 """
 
@@ -32,8 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .moe import MLP as MLP  # the feed-forward layers live in moe.py; named here, where the model is built
-from .moe import MoE
+from .feed_forward import (
+    MLP as MLP,  # the feed-forward layers live in feed_forward.py; named here, where the model is built
+)
+from .feed_forward import MoE
 
 
 @dataclass(kw_only=True)   # keywords only: ModelConfig(hidden=64, ...) reads better than 7 bare numbers
@@ -176,7 +178,7 @@ class Attention(nn.Module):
 
     def core(self, q, k, v):
         """The attention core, q, k, v [batch, seq, heads, head_dim] → [batch, seq, heads·head_dim]: what
-        selective recomputation reruns (course_lib.checkpointing)."""
+        selective recomputation reruns (course_lib.recompute)."""
         batch, seq = q.shape[:2]
         # Grouped-query attention: query heads [g·i, g·(i+1)) all read key/value head i.
         group = q.shape[2] // k.shape[2]
@@ -273,6 +275,9 @@ PRESETS = {
                             attn_bias=True),
     "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                 intermediate=14336, max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2),
+    # Llama 3 405B: the paper's Table 3 (the vocabulary from its config.json).
+    "llama3-405b": ModelConfig(vocab_size=128256, hidden=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                               intermediate=53248, max_seq_len=8192, rope_theta=500000.0),
 }
 
 

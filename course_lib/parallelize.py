@@ -13,7 +13,7 @@ this order, so that each sees the model it expects:
         parallelize_llama.
 3. EP   ``apply_ep`` over "ep": each MoE keeps its E/ep experts (torchtitan applies EP with TP).
 4. activation checkpointing: ``apply_checkpointing`` ("full": each block, "selective": each attention core;
-        course_lib.checkpointing), after the layers are split and before they are cut into stages and wrapped
+        course_lib.recompute), after the layers are split and before they are cut into stages and wrapped
         (torchtitan: after TP, before FSDP): a recomputed block reruns its TP collectives as they ran.
 5. PP   ``make_stage``: this rank keeps its stage's layers (``num_chunks`` v > 1: its v chunks, each a copy made
         before steps 1-4, as make_stage's own copies are). torchtitan cuts first and parallelizes each stage; the
@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .checkpointing import apply_checkpointing
 from .comm import Comm
 from .context_parallel import apply_context_parallel
 from .ddp import NaiveDDP
-from .experts import apply_ep
+from .expert_parallel import apply_ep
 from .hsdp import HybridShardedDataParallel
 from .ledger import ZERO_STAGES
 from .mesh import Mesh
 from .pipeline_parallel import make_stage, partition_layers, pipeline_step, stage_chunks
+from .recompute import apply_checkpointing
 from .schedules import schedule_actions
 from .tensor_parallel import apply_tp
 from .zero import ZeroDataParallel, default_units
@@ -59,7 +59,7 @@ class Parallelism:
 
     zero_stage: None (NaiveDDP), 0-3 (ZeroDataParallel; HSDP meshes: 3). sequence_parallel: Megatron's SP with
     TP. vocab_parallel: embedding, head and loss split by vocabulary over TP (apply_tp's). activation_checkpointing:
-    None, "selective" or "full" (checkpointing.apply_checkpointing). num_chunks: v, interleaved schedules. schedule, num_microbatches: the
+    None, "selective" or "full" (recompute.apply_checkpointing). num_chunks: v, interleaved schedules. schedule, num_microbatches: the
     pipeline's (checked here, run by Parallelized.forward_backward). data_parallel=False: no wrapper, gradients
     stay local (the virtual cluster with ep > 1, where no wrapper averages over two groups yet).
     """

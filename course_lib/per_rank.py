@@ -3,7 +3,7 @@
 course_lib.parallelize cuts the model over a mesh; this module says, without running anything, what that
 leaves on one rank: its parameters (``params_per_rank``), its training state and data-parallel bytes under ZeRO
 or HSDP (``data_parallel_state_bytes``, ``data_parallel_bytes_per_step``), the bytes it sends on every axis in a
-step (``sent_bytes_per_rank``) and its saved activations (``activation_bytes_per_rank``). The planner (layouts,
+step (``sent_bytes_per_rank``) and its saved activations (``activation_bytes_per_rank``). The planner (recipes,
 plan), the cost model, the labs and the virtual cluster all call these; the virtual cluster measures each one.
 
 Data parallelism, once. The ranks that hold the same weights are the dp × cp ranks of one (pp, tp) place: CP
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .context_parallel import ring_attention_activation_bytes, ring_attention_bytes
-from .experts import all_to_all_bytes
+from .expert_parallel import all_to_all_bytes
 from .hsdp import hsdp_wire_bytes_per_step
 from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, recomputed_layer_bytes, zero_state_bytes
 from .mesh import Mesh
@@ -166,7 +166,7 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     * cp (when cp > 1): ring attention in each layer and micro-batch, forward and backward
       (context_parallel.ring_attention_bytes, on this rank's kv_heads/tp heads);
     * ep (when ep > 1): 4 all-to-alls per layer and micro-batch, dispatch and combine forward and backward, of
-      this rank's (batch/dp/m)·(seq/cp) tokens (experts.all_to_all_bytes; ``capacity_factor`` as the MoE's).
+      this rank's (batch/dp/m)·(seq/cp) tokens (expert_parallel.all_to_all_bytes; ``capacity_factor`` as the MoE's).
 
     ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
     becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes, plus the stack's ends and the
@@ -266,7 +266,7 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
 
     One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks, with
-    ``recompute``: course_lib.checkpointing's "selective" keeps q, k, v of each attention core, "full" each
+    ``recompute``: course_lib.recompute's "selective" keeps q, k, v of each attention core, "full" each
     layer's input), plus the token ids on the first stage and the final norm, head and loss on the last
     (ledger.gpt_activation_bytes; ``vocab_parallel``: the split embedding's and loss's, vocab_parallel.
     vocab_parallel_activation_bytes). The peak is the most the schedule holds at once (held_over_schedule:

@@ -29,7 +29,7 @@ sequence parallelism), decide:
    dp means fewer micro-batches and a bigger bubble.
 5. Which recipe is fastest? Every layout of five recipes (data parallelism alone with DDP or ZeRO-1/2;
    ZeRO-3 / FSDP alone; FSDP + TP; Megatron-style TP + PP + ZeRO-1, with 1F1B or interleaved; TP + PP + FSDP,
-   as Llama 3 and torchtitan run it: layouts.py) is costed with cost.step_time; the fastest that fits wins, and
+   as Llama 3 and torchtitan run it: recipes.py) is costed with cost.step_time; the fastest that fits wins, and
    the answer says by how much and why the others lost, and calls a tie what the cost model cannot rank. (HSDP, FSDP sharded
    inside a node and replicated across nodes, sits between the last two: the same cuts as FSDP with less
    traffic across nodes and more memory per GPU.)
@@ -40,10 +40,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .arguments import check_number, check_whole
 from .cost import StepTime
 from .hardware import find_gpu
-from .layouts import (
+from .ledger import CONVENTIONS, zero_state_bytes
+from .mesh import Mesh
+from .model import param_count_formula
+from .pipeline_parallel import bubble_fraction
+from .recipes import (
     RESERVE_SHARE,
     Layout,
     Workload,
@@ -57,10 +60,7 @@ from .layouts import (
     state_per_gpu,
     tp_splits_heads,
 )
-from .ledger import CONVENTIONS, zero_state_bytes
-from .mesh import Mesh
-from .model import param_count_formula
-from .pipeline_parallel import bubble_fraction
+from .runtime.arguments import check_number, check_whole
 
 # Two recipes within this share of each other's tokens/s are a tie: cost.step_time lands within 5 points of MFU
 # of published runs (published.compare_published), about a tenth of a 45% MFU, so it cannot rank them.

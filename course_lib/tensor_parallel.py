@@ -389,7 +389,7 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
     ("layers_wire_bytes"); at the stack's ends ("ends_wire_bytes") an all-gather backward on the first stage
     (its scatter's) and one forward on the last (the gather before the final norm): stages pass slices; an
     all-reduce of each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count.
-    ``recompute="full"`` (course_lib.checkpointing): backward reruns each layer's forward, and with it its
+    ``recompute="full"`` (course_lib.recompute): backward reruns each layer's forward, and with it its
     collectives up to the last saved tensor, down_proj's input: attention's g (SP: both all-gathers and o_proj's
     reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes").
     """

@@ -27,9 +27,9 @@ attention scores; on CPU (and CUDA) it runs a flash kernel that stores q, k, v, 
 log-sum-exp. :class:`MetaFlashAttention` sends meta SDPA to the CPU flash kernel, so meta saves what a real
 run saves (checked on the tiny model: every module's saved bytes equal a CPU run's).
 
-``recompute`` runs course_lib.checkpointing ("selective": each attention core, "full": each block, through
+``recompute`` runs course_lib.recompute ("selective": each attention core, "full": each block, through
 torch.utils.checkpoint): the forward's saved bytes are measured as before, and what each rerun saves in
-backward by checkpointing.RecomputeMeter; the peak is the most held plus the largest rerun. A recomputed block
+backward by recompute.RecomputeMeter; the peak is the most held plus the largest rerun. A recomputed block
 reruns its TP collectives: traced. ``sequence_parallel`` runs ``apply_tp(..., sequence_parallel=True)``
 (activations and the TP group's bytes measured, the all-gathers at the stack's ends and the norm-weight
 all-reduces included: tensor_parallel.tp_step_traffic), and the stages pass s/tp of the sequence (Megatron-LM's
@@ -44,7 +44,7 @@ The axes beyond 3D (``--cp``, ``--ep``, ``--dp-replicate``; mesh.py lays them ou
   dp/R × cp ranks of a replica and all-reduces the shards' gradients over the R replicas: all measured.
   Sequence parallelism with cp > 1 is refused: apply_tp's SP would cut the rank's slice again, and ring
   attention's positions assume it does not.
-* ep runs on a mixture-of-experts preset (mixtral-8x7b), tp 1: ``experts.apply_ep`` keeps this rank's E/ep
+* ep runs on a mixture-of-experts preset (mixtral-8x7b), tp 1: ``expert_parallel.apply_ep`` keeps this rank's E/ep
   experts and sends tokens with all-to-all over the EP group (measured: "ep" bytes and ops, activations).
   Computed, labelled so: state_bytes and sent_bytes.dp. The experts' gradients are averaged over the expert_dp
   group (dp·cp/ep ranks) and everything else over dp_cp, and ZeroDataParallel averages over one group, so the
@@ -71,8 +71,6 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
-from .checkpointing import RecomputeMeter
 from .ledger import CONVENTIONS, RECOMPUTE, check_zero_stage
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
@@ -86,6 +84,8 @@ from .per_rank import (
     sent_bytes_per_rank,
 )
 from .pipeline_parallel import StepRecorder, stage_chunks
+from .recompute import RecomputeMeter
+from .runtime.arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
                                      description=__doc__[:__doc__.index("How.")].rstrip())
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
                         help=f"the model: one of course_lib.model.PRESETS, {', '.join(sorted(PRESETS))}")
-    ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.arguments: a bad value is one line, exit code 2
+    ranks = integer(1, MAX_VIRTUAL_WORLD)   # course_lib.runtime.arguments: a bad value is one line, exit code 2
     parser.add_argument("--world-size", type=ranks,
                         help="all the ranks (default: the product of the degrees); dp = world / (cp × tp × pp) "
                              "if --dp is not given")
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     size = (args.dp or 1) * args.tp * args.pp * args.cp * (args.dp_replicate if args.dp is None else 1)
     if size > MAX_VIRTUAL_WORLD:   # each degree is in range, their product need not be
         parser.error(f"dp × tp × pp × cp = {size:,} ranks: more than the {MAX_VIRTUAL_WORLD:,} a virtual world "
-                     "may have (course_lib.arguments.MAX_VIRTUAL_WORLD)")
+                     "may have (course_lib.runtime.arguments.MAX_VIRTUAL_WORLD)")
     try:
         config = preset(args.preset)
         if args.dp is None:

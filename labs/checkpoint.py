@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from common import lab_parser, model_overrides, parse, reports, write_record
 from course_lib import launch
-from course_lib.arguments import integer
-from course_lib.launch import RankError
-from course_lib.launch import _leave_cleanly as leave_cleanly  # launch's exit under torchrun
 from course_lib.model import preset
 from course_lib.runs.checkpoint import LAYOUTS, layout_name, run_with_failure, save_and_resume
 from course_lib.runs.mesh import max_parameter_gap
+from course_lib.runtime.arguments import integer
+from course_lib.runtime.launch import RankError
+from course_lib.runtime.launch import _leave_cleanly as leave_cleanly  # launch's exit under torchrun
 from course_lib.train import reference_run
 
 LAYOUT_FOR = {8: ("dp2 tp2 pp2 zero1", "tp4 dp2 zero1"), 4: ("dp2 tp2 zero3", "pp4"), 2: ("dp2 zero1", "pp2"),

@@ -3,7 +3,7 @@
 Each lab runs the same way on a laptop (``python labs/X.py``, gloo ranks via ``launch``) and on GPUs
 (``torchrun --nproc-per-node 8 labs/X.py``, NCCL, one GPU per rank); ``--hidden`` and ``--layers`` grow the
 tiny model for a GPU. Every lab's JSON says where it ran (``backend``, ``device``, ``machine``, ``dtype``), so
-that course_lib.lab_results never shows a CPU run as a GPU result.
+that course_lib.presentation.lab_results never shows a CPU run as a GPU result.
 """
 
 import argparse
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from course_lib import device
-from course_lib.arguments import integer, real, writable_folder
-from course_lib.launch import nodes
-from course_lib.workers import check_world_fits
+from course_lib.runtime.arguments import integer, real, writable_folder
+from course_lib.runtime.launch import nodes
+from course_lib.runtime.workers import check_world_fits
 
 RESULTS = Path(os.path.relpath(Path(__file__).parent / "results"))  # printed as the reader would type it
 
@@ -28,7 +28,7 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
                autocast: bool = True, min_steps: int = 1) -> argparse.ArgumentParser:
     """The arguments every lab takes; a lab adds its own (batch sizes, buckets, ...). ``autocast=False``: the
     lab fixes its own precision (ZeRO trains bf16 weights with MixedPrecisionAdam), so no --dtype. Every value is
-    checked as it is read (course_lib.arguments): a bad one stops the lab with one line, exit code 2, before any
+    checked as it is read (course_lib.runtime.arguments): a bad one stops the lab with one line, exit code 2, before any
     process starts. ``min_steps``: labs that report a median over steps after the first need 2."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--world-size", type=integer(1), default=int(os.environ.get("WORLD_SIZE", world_size)),
@@ -78,7 +78,7 @@ def local_ranks(world_size: int) -> int:
 def choose_backend(requested: str | None, world_size: int) -> str:
     """NCCL when every rank on this machine can have a GPU of its own (the default), gloo otherwise.
 
-    NCCL runs one rank per GPU (course_lib.launch.device() is cuda:LOCAL_RANK), so asking for it with more
+    NCCL runs one rank per GPU (course_lib.runtime.launch.device() is cuda:LOCAL_RANK), so asking for it with more
     local ranks than GPUs is refused here, with the two ways out."""
     ranks, gpus = local_ranks(world_size), torch.cuda.device_count()   # device_count is 0 without CUDA
     if requested is None:
@@ -134,7 +134,7 @@ def machine(backend: str, world_size: int) -> str:
 
 
 def run_info(args) -> dict:
-    """Where and how this run happened: the keys course_lib.lab_results reads to label it honestly; ``nodes``
+    """Where and how this run happened: the keys course_lib.presentation.lab_results reads to label it honestly; ``nodes``
     names each machine the ranks ran on (several in a multi-node run under torchrun)."""
     return {"world_size": args.world_size, "backend": args.backend, "device": "cuda" if args.backend == "nccl" else "cpu",
             "machine": machine(args.backend, args.world_size), "nodes": nodes(), "dtype": getattr(args, "dtype", None),

@@ -35,11 +35,11 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
-from course_lib.arguments import integer, real
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens, micro_batches
 from course_lib.model import build, preset
 from course_lib.runs.ddp import DDP_KINDS, phase_seconds, replica_spread, train_step, wrap
+from course_lib.runtime.arguments import integer, real
 from course_lib.units import MiB
 
 KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
@@ -133,7 +133,7 @@ def main(argv=None):
               "max_memory_allocated": _largest_per_rank([row["max_memory_allocated"] for row in rows]),
               "predicted_state_bytes": rows[0]["predicted_state_bytes"]}
     path = write_record(args, "ddp", record)
-    from course_lib.plots import ddp_timeline, step_time_split
+    from course_lib.presentation.plots import ddp_timeline, step_time_split
     step_time_split({row["kind"]: {"compute": row["compute_ms"] / 1e3, "exposed communication": row["exposed_ms"] / 1e3,
                                    "optimizer": row["optimizer_ms"] / 1e3} for row in rows},
                     title=f"{p} ranks ({backend}): where a step's time goes").savefig(args.out / "ddp.png", dpi=100)

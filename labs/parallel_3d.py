@@ -31,11 +31,11 @@ from common import (
     write_record,
 )
 from course_lib import launch
-from course_lib.arguments import integer
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
 from course_lib.runs.mesh import train_3d
+from course_lib.runtime.arguments import integer
 
 
 def train_3d_in(rank, world_size, *, dtype, **kwargs):
@@ -110,7 +110,7 @@ def main(argv=None):
               "max_memory_allocated": [row["max_memory_allocated"] for row in rows],
               "predicted_state_bytes": [row["predicted_state_bytes"] for row in rows]}
     path = write_record(args, "parallel_3d", record)
-    from course_lib.plots import bytes_per_axis
+    from course_lib.presentation.plots import bytes_per_axis
     bytes_per_axis([r["sent_bytes"] for r in rows], [r["predicted_sent_bytes"] for r in rows],
                    title=f"bytes each rank sends per step, {mesh}").savefig(args.out / "parallel_3d.png", dpi=100)
     print(f"wrote {path} and .png")

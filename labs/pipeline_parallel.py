@@ -22,12 +22,12 @@ a stage, its weights and gradients (4 + 4 bytes per parameter; the lab takes no 
 
 from common import autocast, lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
-from course_lib.arguments import integer
-from course_lib.arguments import real as finite_number  # `real` names the --real run below
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, preset
 from course_lib.pipeline_parallel import Timeline, bubble_fraction, make_stage, partition_layers
 from course_lib.runs.pipeline import pipeline_worker, single_process_step
+from course_lib.runtime.arguments import integer
+from course_lib.runtime.arguments import real as finite_number  # `real` names the --real run below
 
 
 def sweep(rank, world_size, *, runs, dtype, **common):
@@ -127,7 +127,7 @@ def save_figure(args, p, rows, controlled, runs):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from course_lib.plots import pipeline_gantt
+    from course_lib.presentation.plots import pipeline_gantt
 
     fig, (curve, gantt) = plt.subplots(2, 1, figsize=(8, 3.2 + 0.45 * p + 1.3),
                                        gridspec_kw={"height_ratios": [3.2, 0.45 * p + 1.3]})

@@ -36,11 +36,11 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
-from course_lib.arguments import integer
 from course_lib.comm import Comm
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, count_params, loss_fn, preset
 from course_lib.runs.tensor_parallel import step_seconds
+from course_lib.runtime.arguments import integer
 from course_lib.tensor_parallel import apply_tp, check_tp_divisible, tp_step_traffic
 
 
@@ -150,7 +150,7 @@ def main(argv=None):
               "max_memory_allocated": [r["max_memory_allocated"] for r in results],
               "predicted_state_bytes": [fp32_adam_state_bytes(r["params_per_rank"]) for r in results]}
     path = write_record(args, "tensor_parallel", record)
-    from course_lib.plots import loss_curves
+    from course_lib.presentation.plots import loss_curves
     curves = {f"TP={args.world_size} ({run['backend']}, {args.dtype})": run["losses"]}
     if reference:
         curves["1 device, whole model"] = run["one_device_losses"]

@@ -34,9 +34,9 @@ from common import (
     write_record,
 )
 from course_lib import device, launch
-from course_lib.arguments import integer
 from course_lib.data import SyntheticTokens
 from course_lib.model import build, loss_fn, preset
+from course_lib.runtime.arguments import integer
 from course_lib.train import reference_run
 
 
@@ -107,7 +107,7 @@ def main(argv=None):
     record = {"world_size": args.world_size, **run, "single_process_losses": reference,
               "predicted_state_bytes": [fp32_adam_state_bytes(run["params"])] * args.world_size}
     path = write_record(args, "training_step", record)
-    from course_lib.plots import loss_curves
+    from course_lib.presentation.plots import loss_curves
     curves = {f"{args.world_size} ranks ({run['backend']}, {args.dtype})": losses}
     if reference:
         curves["1 process, whole batch (fp32)"] = reference

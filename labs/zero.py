@@ -24,10 +24,10 @@ import torch
 
 from common import lab_parser, model_overrides, parse, peak_memory, reports, reset_peak_memory, write_record
 from course_lib import launch
-from course_lib.arguments import integer
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, count_params, preset
 from course_lib.runs.zero import train
+from course_lib.runtime.arguments import integer
 from course_lib.zero import padded_num_params, wire_bytes_per_step
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 1), ("fully_shard", 3)]
@@ -96,7 +96,7 @@ def main(argv=None):
                                       for peaks in zip(*(run["max_memory_allocated"] for run in every))]
     record["predicted_state_bytes"] = [max(run["predicted_state_bytes"][0] for run in every)] * n
     path = write_record(args, "zero", record)
-    from course_lib.plots import zero_per_rank_bars
+    from course_lib.presentation.plots import zero_per_rank_bars
     unit = ("GiB", 2**30) if predicted["total"] > 2**31 else ("MiB", 2**20) if predicted["total"] > 2**21 else ("KiB", 2**10)
     measured = {n: {s: record["runs"][f"ours {s}"]["state_per_rank"] for s in range(4)}}
     formula = {n: {s: record["runs"][f"ours {s}"]["predicted_state"]["total"] for s in range(4)}}

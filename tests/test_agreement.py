@@ -1,5 +1,5 @@
 """Every axis the course combines, one small world each: the virtual cluster runs a rank through ``parallelize``
-(on torch's fake group, meta tensors) and what it measures equals what the planner (layouts), the cost model's
+(on torch's fake group, meta tensors) and what it measures equals what the planner (recipes), the cost model's
 traffic formula (tensor_parallel.tp_step_traffic, which cost.step_time charges) and per_rank say, exactly.
 
 Axes: dp with ZeRO 0-3, tp, sp, pp (1F1B, GPipe, interleaved over v chunks, ZB-H1), cp, ep (a mixture of experts), hsdp. The tiny model (4
@@ -10,10 +10,10 @@ is held to the others only through per_rank."""
 import pytest
 import torch
 
-from course_lib.layouts import state_per_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layers_per_rank, params_per_rank
+from course_lib.recipes import state_per_gpu
 from course_lib.tensor_parallel import tp_step_traffic
 from course_lib.virtual import run_rank
 

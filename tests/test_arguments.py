@@ -1,4 +1,4 @@
-"""Bad input refused up front, in one line that names the value: course_lib.arguments (the command lines of the labs
+"""Bad input refused up front, in one line that names the value: course_lib.runtime.arguments (the command lines of the labs
 and of ``python -m course_lib.virtual``), and the same rules in plan(), Workload and step_time."""
 
 import argparse
@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from conftest import REPO
-from course_lib.arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer, real, writable_folder
 from course_lib.cost import step_time
-from course_lib.layouts import Workload
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.plan import plan
+from course_lib.recipes import Workload
+from course_lib.runtime.arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer, real, writable_folder
 from course_lib.virtual import main as virtual_main
 
 sys.path.insert(0, str(REPO / "labs"))   # the labs import each other by name, as scripts do

@@ -354,7 +354,7 @@ def test_a_learner_works_through_notebook_00_and_its_ranks(lab, page):
     assert gone(pids), "rank processes left behind"
 
     # An interactive (plotly) figure renders in the page: 4 stages × 8 micro-batches × (F, B) = 64 bars.
-    add_cell(page, "from course_lib import interactive\nfrom course_lib.pipeline_parallel import simulate\n"
+    add_cell(page, "from course_lib.presentation import interactive\nfrom course_lib.pipeline_parallel import simulate\n"
                    "interactive.show(interactive.pipeline_gantt(simulate('1f1b', 4, 8, 1.0, 2.0)))")
     bars = page.locator(".js-plotly-plot g.point")
     wait_for(lambda: bars.count() == 64, 30, "the plotly Gantt chart's 64 bars")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from course_lib import checkpoint
-from course_lib.launch import launch
 from course_lib.mesh import Mesh
 from course_lib.model import build, count_params, preset
 from course_lib.runs.checkpoint import DEFAULTS, LAYOUTS, save_and_resume, world_of
 from course_lib.runs.mesh import max_parameter_gap
+from course_lib.runtime.launch import launch
 from course_lib.train import reference_run, training_step
 
 SAVE_AT, STEPS = 3, 6

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from course_lib.data import SyntheticTokens
-from course_lib.launch import launch
 from course_lib.model import build, loss_fn, preset
 from course_lib.runs.checkpoint import DEFAULTS, LAYOUTS, save_and_resume, world_of
 from course_lib.runs.clip import MOE, dtensor_norm, expert_parallel_norms, one_process_norm
 from course_lib.runs.mesh import max_parameter_gap
+from course_lib.runtime.launch import launch
 
 MAX_NORM, STEPS, TOLERANCE = 0.5, 3, 1e-12
 

@@ -12,7 +12,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from course_lib.cost import (
     flops_per_step,
     forward_terms,
-    gpt_config,
     roofline,
     six_nd,
     step_time,
@@ -20,7 +19,7 @@ from course_lib.cost import (
 from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
-from course_lib.published import PUBLISHED_RUNS, compare_published
+from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config
 
 BATCH, SEQ = 2, 16
 
@@ -366,7 +365,7 @@ def test_a_matmul_takes_the_longest_of_compute_memory_and_launch():
     """[T, k] × [k, n] and its two backward GEMMs, each at max(2·T·k·n / rate, bytes / (share·HBM), launch), the
     rate from hardware.matmul_rate: share · peak · f(T)·f(k)·f(n), f(x) = x / (x + 128)."""
     from course_lib.hardware import matmul_rate
-    from course_lib.operations import matmul
+    from course_lib.kernel_times import matmul
     gpu = find_gpu("A100 80GB")
     big = matmul("w", gpu, 4096, 8192, 8192, 2, 3)
     rate = 0.75 * 312e12 * (4096 / 4224) * (8192 / 8320) ** 2
@@ -383,7 +382,7 @@ def test_a_matmul_takes_the_longest_of_compute_memory_and_launch():
 def test_causal_flash_attention_runs_half_the_square():
     """What the kernel runs (time) is half of what MFU counts (the whole square, as Megatron-LM counts it);
     backward runs 2.5 times forward's matmul work."""
-    from course_lib.operations import layer_operations
+    from course_lib.kernel_times import layer_operations
     config, kw = preset("llama2-7b"), dict(micro_batch_size=1, seq_len=4096)
     causal, full = (next(op for op in layer_operations(config, find_gpu("H100 SXM"), causal=c, **kw)
                          if op.name == "attention core") for c in (True, False))

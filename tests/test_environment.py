@@ -73,9 +73,9 @@ def test_no_module_of_the_library_labs_or_benchmarks_is_longer_than_one_sitting(
 
 def test_the_library_has_no_import_cycle():
     graph = {_module_name(p): _imports_within_library(p) for p in LIBRARY.rglob("*.py")}
-    assert "course_lib.pipeline_parallel" in graph["course_lib.plots.pipeline"]  # relative imports resolved
-    assert "course_lib.launch" in graph["course_lib.exercises.common"]            # ... two levels up, too
-    assert "course_lib.moe" in graph["course_lib.model"] and "course_lib.model" not in graph["course_lib.moe"]
+    assert "course_lib.pipeline_parallel" in graph["course_lib.presentation.plots.pipeline"]  # relative imports resolved
+    assert "course_lib.runtime.launch" in graph["course_lib.presentation.exercises.common"]            # ... two levels up, too
+    assert "course_lib.feed_forward" in graph["course_lib.model"] and "course_lib.model" not in graph["course_lib.feed_forward"]
 
     def cycle_from(start, path):
         for nxt in graph.get(path[-1], ()):

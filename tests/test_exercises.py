@@ -1,6 +1,6 @@
-"""course_lib.exercises: every checker given an unfinished answer (the notebook's "Not done yet", not an error),
+"""course_lib.presentation.exercises: every checker given an unfinished answer (the notebook's "Not done yet", not an error),
 each typical wrong answer it has a hint for (that hint printed, and False), and its reference answer from
-course_lib.solutions (✓ and True). Checkers that run the answer on ranks do so here too (marked ``ranks``); the
+course_lib.presentation.exercises.solutions (✓ and True). Checkers that run the answer on ranks do so here too (marked ``ranks``); the
 rest run in this process. Last, the notebooks: each exercise appears once, as the learner's unfinished cell, with
 no reference answer anywhere on the page."""
 
@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import exercises, solutions
-from course_lib.exercises import common as exercises_common
-from course_lib.exercises import layout as exercises_layout
 from course_lib.pipeline_parallel import gpipe_actions
+from course_lib.presentation import exercises
+from course_lib.presentation.exercises import common as exercises_common
+from course_lib.presentation.exercises import layout as exercises_layout
+from course_lib.presentation.exercises import solutions
 
 NOT_DONE = "Not done yet: replace `raise NotImplementedError`"
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
@@ -62,9 +63,9 @@ RIGHT = {   # what a checker says to its reference answer
 @pytest.mark.parametrize("checker", [pytest.param(name, marks=() if name in IN_PROCESS else pytest.mark.ranks)
                                      for name in CHECKERS])
 def test_every_checker_passes_its_reference_answer(capsys, checker):
-    """A new exercise fails here until course_lib/solutions.py has its answer, and that answer passes."""
+    """A new exercise fails here until course_lib/presentation/exercises/solutions.py has its answer, and that answer passes."""
     exercise = checker.removeprefix("check_")
-    assert exercise in solutions.BY_EXERCISE, f"course_lib/solutions.py has no reference answer to {checker}"
+    assert exercise in solutions.BY_EXERCISE, f"course_lib/presentation/exercises/solutions.py has no reference answer to {checker}"
     verdict(capsys, getattr(exercises, checker)(solutions.BY_EXERCISE[exercise]), True, *RIGHT.get(checker, []))
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_exercises import NOT_DONE, unfinished, verdict
 
-from course_lib import exercises
+from course_lib.presentation import exercises
 
 pytestmark = pytest.mark.ranks   # every answer runs on 2 and 4 ranks
 

@@ -5,10 +5,11 @@ an answer with the planner's own models, so the planner's best layout is the che
 import pytest
 from test_exercises import NOT_DONE, unfinished, verdict
 
-from course_lib import exercises, solutions
-from course_lib.exercises import scale as exercises_scale
-from course_lib.layouts import Workload
 from course_lib.plan import plan
+from course_lib.presentation import exercises
+from course_lib.presentation.exercises import scale as exercises_scale
+from course_lib.presentation.exercises import solutions
+from course_lib.recipes import Workload
 
 
 def layout(**changes):

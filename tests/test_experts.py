@@ -9,10 +9,18 @@ import torch
 
 from course_lib import launch
 from course_lib.comm import Comm
-from course_lib.experts import all_to_all_bytes, apply_ep
+from course_lib.expert_parallel import all_to_all_bytes, apply_ep
+from course_lib.feed_forward import (
+    MoE,
+    Routing,
+    capacity,
+    drops_by_capacity,
+    load_balancing_loss,
+    route,
+    total_aux_loss,
+)
 from course_lib.ledger import active_params_per_token
 from course_lib.model import build, count_params, loss_fn, preset
-from course_lib.moe import MoE, Routing, capacity, drops_by_capacity, load_balancing_loss, route, total_aux_loss
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 

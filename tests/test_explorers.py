@@ -1,4 +1,4 @@
-"""course_lib.explorers: every panel built with small arguments is a widget with its documented controls and
+"""course_lib.presentation.explorers: every panel built with small arguments is a widget with its documented controls and
 defaults, computes and draws at once, and redraws when a control changes: new numbers in the panel's
 attributes (rows, memory, plan, runs, curves), a new figure (each figure a panel draws is recorded here, since
 an Output widget only captures inside a kernel) and new printed text. The panels that run ranks (DDP overlap,
@@ -16,14 +16,14 @@ import matplotlib.figure
 import matplotlib.pyplot as plt
 import pytest
 
-from course_lib import explorers, plots
-from course_lib.explorers import formulas, live
-from course_lib.explorers._panel import format_bytes, plural
-from course_lib.layouts import Workload, memory_per_gpu
 from course_lib.ledger import zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.model import param_count_formula, preset
 from course_lib.pipeline_parallel import Timeline
+from course_lib.presentation import explorers, plots
+from course_lib.presentation.explorers import formulas, live
+from course_lib.presentation.explorers._panel import format_bytes, plural
+from course_lib.recipes import Workload, memory_per_gpu
 from course_lib.units import GiB
 
 matplotlib.use("Agg")   # no window, on any machine
@@ -44,7 +44,7 @@ class Drawing:
 
 @pytest.fixture
 def drawn(monkeypatch):
-    """Every figure a panel draws through course_lib.plots, in order."""
+    """Every figure a panel draws through course_lib.presentation.plots, in order."""
     drawings = []
     for name in [n for n in plots.__all__ if callable(getattr(plots, n))]:
         def record(*args, _name=name, _draw=getattr(plots, name), **kwargs):

@@ -1,4 +1,4 @@
-"""course_lib.explorers.experts (notebook 08): the mixture-of-experts panel starts at its defaults, runs the real
+"""course_lib.presentation.explorers.experts (notebook 08): the mixture-of-experts panel starts at its defaults, runs the real
 layer at once and redraws for every control: the routing it shows is the layer's own (capacity, drops,
 imbalance), ep only regroups the experts, more alike tokens load the experts less evenly, and the bytes it
 prints are the all-to-all formula's."""
@@ -10,14 +10,14 @@ import test_explorers
 import torch
 from test_explorers import assert_says_what_it_is, every_option, values
 
-from course_lib import explorers
-from course_lib.experts import all_to_all_bytes
-from course_lib.explorers.experts import NUM_TOKENS, alike_tokens
+from course_lib.expert_parallel import all_to_all_bytes
+from course_lib.feed_forward import MoE, capacity
 from course_lib.model import preset
-from course_lib.moe import MoE, capacity
+from course_lib.presentation import explorers
+from course_lib.presentation.explorers.experts import NUM_TOKENS, alike_tokens
 
 matplotlib.use("Agg")   # no window, on any machine
-drawn = test_explorers.drawn   # the fixture: every figure a panel draws through course_lib.plots, in order
+drawn = test_explorers.drawn   # the fixture: every figure a panel draws through course_lib.presentation.plots, in order
 
 
 def test_moe_explorer_starts_at_its_defaults_and_shows_the_layers_own_routing_rank_by_rank(drawn, capsys):

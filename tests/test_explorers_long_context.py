@@ -1,4 +1,4 @@
-"""course_lib.explorers.long_context (notebook 07): the panel's activations per rank are the ledger's formulas
+"""course_lib.presentation.explorers.long_context (notebook 07): the panel's activations per rank are the ledger's formulas
 composed, and hold the relation notebook 07 measures for context parallelism (every byte / cp but the loss's
 one fp32 scalar); it redraws for every control and names a split that cannot be made."""
 
@@ -8,10 +8,10 @@ import test_explorers
 import torch
 from test_explorers import assert_says_what_it_is, every_option, values
 
-from course_lib import explorers
-from course_lib.explorers.long_context import activations_per_rank
 from course_lib.ledger import gpt_activation_bytes, gpt_layer_activation_bytes
 from course_lib.model import preset
+from course_lib.presentation import explorers
+from course_lib.presentation.explorers.long_context import activations_per_rank
 from course_lib.units import GiB
 
 matplotlib.use("Agg")

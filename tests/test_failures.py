@@ -6,8 +6,8 @@ import math
 import pytest
 
 from course_lib import failures
-from course_lib.launch import launch
 from course_lib.runs.failures import hung_collective
+from course_lib.runtime.launch import launch
 
 
 def test_a_job_fails_as_often_as_all_its_gpus_together():

@@ -1,10 +1,10 @@
-"""course_lib.interactive: the plotly figures hold one bar per op, with what a learner reads on hover."""
+"""course_lib.presentation.interactive: the plotly figures hold one bar per op, with what a learner reads on hover."""
 
 import plotly.graph_objects as go
 import pytest
 
-from course_lib import interactive
 from course_lib.pipeline_parallel import simulate
+from course_lib.presentation import interactive
 
 
 def test_the_pipeline_gantt_has_a_bar_per_op_and_says_what_each_was():
@@ -61,8 +61,8 @@ def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
 
 def test_roofline_chart_places_each_operation_with_its_bound_and_keeps_the_legend_off_the_data():
     from course_lib.hardware import find_gpu
+    from course_lib.kernel_times import layer_operations
     from course_lib.model import preset
-    from course_lib.operations import layer_operations
     gpu = find_gpu("H100 SXM")
     ops = layer_operations(preset("llama2-70b"), gpu, micro_batch_size=1, seq_len=4096, tp=8)
     fig = interactive.roofline_chart(ops, gpu)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import REPO
-from course_lib.lab_results import LABS, describe
+from course_lib.presentation.lab_results import LABS, describe
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -67,7 +67,7 @@ def test_no_notebook_cell_reads_lab_results_but_through_the_helper(path):
     cells = json.loads(path.read_text())["cells"]
     reading = [i for i, cell in enumerate(cells)
                if cell["cell_type"] == "code" and READS_RESULTS.search("".join(cell["source"]))]
-    assert not reading, f"cells {reading} read labs/results/: use course_lib.lab_results.describe"
+    assert not reading, f"cells {reading} read labs/results/: use course_lib.presentation.lab_results.describe"
 
 
 def test_the_notebooks_show_their_labs_through_the_helper():

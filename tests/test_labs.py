@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from course_lib.lab_results import LABS, describe
+from course_lib.presentation.lab_results import LABS, describe
 
 sys.path.insert(0, str(REPO / "labs"))   # the labs import their shared module as `common`, as a script does
 import common  # noqa: E402

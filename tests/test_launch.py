@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from conftest import REPO, gone, run_cell, wait_for_pids
 from course_lib import RankError, RankTimeout, WorkerGroup, device, launch
-from course_lib.launch import GroupNotFormed
-from course_lib.tracebacks import WaitLine
-from course_lib.workers import check_world_fits, max_local_ranks
+from course_lib.runtime.launch import GroupNotFormed
+from course_lib.runtime.tracebacks import WaitLine
+from course_lib.runtime.workers import check_world_fits, max_local_ranks
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -78,7 +78,7 @@ def test_a_failing_rank_is_named_with_its_traceback_while_peers_wait_in_a_collec
     assert "ValueError: rank two is unhappy" in str(err)
     assert 'raise ValueError("rank two is unhappy")' in err.remote_traceback  # the source line itself
     assert "fail_on_two" in err.remote_traceback
-    assert "course_lib/workers.py" not in err.remote_traceback  # only the learner's frames
+    assert "course_lib/runtime/workers.py" not in err.remote_traceback  # only the learner's frames
 
 
 def test_a_rank_that_dies_without_a_word_is_named_with_its_exit():
@@ -340,7 +340,7 @@ NODE = """
 import sys
 import torch.distributed as dist
 from course_lib import launch
-from course_lib.launch import nodes
+from course_lib.runtime.launch import nodes
 print(launch(lambda rank, world_size: dist.get_world_size(), 2), nodes())
 """
 

@@ -69,5 +69,5 @@ def test_under_make_lab_the_magics_are_loaded_and_survive_a_kernel_restart(make_
 
 def test_the_course_kernel_spec_is_the_default_one_plus_the_extension():
     ours = json.loads((REPO / ".jupyter" / "kernels" / "python3" / "kernel.json").read_text())
-    assert ours["argv"] == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext=course_lib.magics"]
+    assert ours["argv"] == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext=course_lib.runtime.magics"]
     assert ours["language"] == "python"

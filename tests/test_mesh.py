@@ -251,7 +251,7 @@ def test_bad_cp_and_ep_meshes_name_every_factor():
                                         ("tiny-moe", Mesh(dp=2, ep=4, cp=2, pp=2))])
 def test_params_per_rank_with_ep_counts_what_apply_ep_and_make_stage_keep(name, mesh):
     from course_lib.comm import Comm
-    from course_lib.experts import apply_ep
+    from course_lib.expert_parallel import apply_ep
     from course_lib.model import build
     from course_lib.pipeline_parallel import make_stage, partition_layers
     from course_lib.virtual import fake_world

@@ -262,8 +262,8 @@ def test_a_batch_the_micro_batches_do_not_divide_fails_on_every_rank_at_once(wei
 
 
 def test_the_exercise_checker_explains_gpipe_and_accepts_1f1b(capsys):
-    from course_lib import exercises
     from course_lib.pipeline_parallel import gpipe_actions, one_f_one_b_actions
+    from course_lib.presentation import exercises
 
     def unfinished(stage, num_stages, num_microbatches):
         raise NotImplementedError("your turn")

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from course_lib.layouts import RECIPES, Workload, gathered_layer_bytes, memory_per_gpu, need_per_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import ModelConfig, preset
 from course_lib.plan import bad_smells, plan
+from course_lib.recipes import RECIPES, Workload, gathered_layer_bytes, memory_per_gpu, need_per_gpu
 from course_lib.units import GB, GiB
 
 HUGE_LAYERS = ModelConfig(vocab_size=32000, hidden=16384, num_layers=4, num_heads=128, num_kv_heads=16,

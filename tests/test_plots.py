@@ -1,4 +1,4 @@
-"""course_lib.plots: every figure drawn from small inputs of the shape the notebooks and explorers pass (built
+"""course_lib.presentation.plots: every figure drawn from small inputs of the shape the notebooks and explorers pass (built
 with the course's own functions where that is cheap), and checked for what it should show: the number of
 panels, one bar or line per item of the input, the given titles and labels, the capacity and prediction
 lines when asked, highlights, and no public function left untested."""
@@ -15,11 +15,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from course_lib import plots
 from course_lib.ledger import zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.pipeline_parallel import simulate
-from course_lib.plots.readable import amount, byte_unit, keep_texts_inside, plural, unit_label
+from course_lib.presentation import plots
+from course_lib.presentation.plots.readable import amount, byte_unit, keep_texts_inside, plural, unit_label
 from course_lib.runs.ddp import phase_seconds
 from course_lib.zero import wire_bytes_per_step
 
@@ -383,7 +383,7 @@ def test_ddp_timeline_draws_three_phases_and_each_all_reduce_per_rank():
 
 
 def test_pack_rows_shares_a_row_between_all_reduces_that_follow_each_other():
-    from course_lib.plots.ddp import pack_rows
+    from course_lib.presentation.plots.ddp import pack_rows
     assert pack_rows([(0, 1), (1, 2), (2, 3)]) == [0, 0, 0]          # one after the other: one row
     assert pack_rows([(0, 5), (1, 2), (3, 4), (4.5, 6)]) == [0, 1, 1, 1]
     assert pack_rows([(0, 5), (1, 6), (2, 7)]) == [0, 1, 2]          # all in flight at once: a row each
@@ -648,7 +648,7 @@ def test_every_public_function_of_plots_is_tested_here():
 # ---- 08 · mixture of experts (tests/test_plots_experts.py checks them in full) --------------------------
 
 def test_the_expert_figures_draw_a_routing_and_the_drops_by_capacity():
-    from course_lib.moe import Routing
+    from course_lib.feed_forward import Routing
     routing = Routing(capacity=5, requested_per_expert=[8, 2, 4, 6, 3, 5, 1, 3],
                       kept_per_expert=[5, 2, 4, 5, 3, 5, 1, 3], ep=2)
     left, right = plots.expert_load(routing).axes

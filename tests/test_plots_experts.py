@@ -1,4 +1,4 @@
-"""course_lib.plots.experts (notebook 08): the load on each expert and each EP rank drawn from a Routing (kept
+"""course_lib.presentation.plots.experts (notebook 08): the load on each expert and each EP rank drawn from a Routing (kept
 bars in their rank's colour, dropped parts in red, the capacity and even-share lines, the rows each rank
 computes), and the dropped share against the capacity factor, every label inside its frame."""
 
@@ -9,10 +9,10 @@ import torch
 from matplotlib.colors import to_hex
 from test_plots import bars, lines_at, outside_figure, spilled
 
-from course_lib import plots
+from course_lib.feed_forward import MoE, Routing, drops_by_capacity
 from course_lib.model import preset
-from course_lib.moe import MoE, Routing, drops_by_capacity
-from course_lib.plots.experts import DROPPED_COLOR, RANK_COLORS
+from course_lib.presentation import plots
+from course_lib.presentation.plots.experts import DROPPED_COLOR, RANK_COLORS
 
 matplotlib.use("Agg")   # no window, on any machine
 

@@ -1,4 +1,4 @@
-"""course_lib.predict: a prediction is locked in by its button, and only then is the answer shown beside it; no
+"""course_lib.presentation.predict: a prediction is locked in by its button, and only then is the answer shown beside it; no
 committed notebook shows a reveal's answer."""
 
 from pathlib import Path
@@ -6,7 +6,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.predict import LOCK_FIRST, Prediction, format_value, reveal_cells, strip_reveal_outputs, verdict
+from course_lib.presentation.predict import (
+    LOCK_FIRST,
+    Prediction,
+    format_value,
+    reveal_cells,
+    strip_reveal_outputs,
+    verdict,
+)
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -68,7 +75,7 @@ def test_no_committed_notebook_shows_a_reveal_s_answer(path):
     notebook = nbformat.read(path, as_version=4)
     shown = [cell.get("id") for cell in reveal_cells(notebook) if cell.outputs]
     assert not shown, (f"{path.name}: reveal cells {shown} carry outputs (the answer before a guess): run "
-                       f"`python -m course_lib.predict {path.relative_to(path.parent.parent)}`")
+                       f"`python -m course_lib.presentation.predict {path.relative_to(path.parent.parent)}`")
     for cell in notebook.cells:     # every answer goes through a Prediction's reveal, which hides it until locked
         for output in cell.get("outputs", []):
             text = output.get("text") or output.get("data", {}).get("text/plain", "")

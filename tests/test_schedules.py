@@ -251,7 +251,7 @@ def test_gantt_charts_colour_w_and_label_each_chunk():
     import matplotlib.colors
     import matplotlib.pyplot as plt
 
-    from course_lib import interactive, plots
+    from course_lib.presentation import interactive, plots
 
     zero_bubble = simulate("zb-h1", 2, 4, 1, 2)
     ax = plots.pipeline_gantt(zero_bubble).axes[0]

@@ -297,7 +297,7 @@ def test_a_context_parallel_rank_of_llama2_70b():
     (preset("mixtral-8x7b", num_layers=4), Mesh(dp=8, ep=8, pp=2), 4096),
 ], ids=["tiny MoE, dp 2 × cp 2 × pp 2, ep 4", "Mixtral 8x7B (4 layers), dp 8 × pp 2, ep 8"])
 def test_an_expert_parallel_rank_runs_apply_ep_and_labels_what_it_computes(config, mesh, seq_len):
-    """apply_ep for real: the all-to-alls measured, equal to experts.all_to_all_bytes; the state and the dp bytes
+    """apply_ep for real: the all-to-alls measured, equal to expert_parallel.all_to_all_bytes; the state and the dp bytes
     computed (experts and the rest average over different groups) and labelled so; activations measured only."""
     m = 2
     for stage in range(mesh.pp):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from conftest import REPO, gone, kill_session, processes_of_session, run_cell
 from course_lib import RankError, RankTimeout, World
-from course_lib.world import Interrupted
+from course_lib.runtime.world import Interrupted
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 

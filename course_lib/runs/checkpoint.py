@@ -21,11 +21,11 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..clip import clip_zero_
 from ..data import SyntheticTokens, shard
-from ..launch import device
 from ..mesh import Mesh, make_comms
 from ..model import build, preset
 from ..parallelize import Parallelism, parallelize
 from ..pipeline_parallel import pipeline_step
+from ..runtime.launch import device
 
 LAYOUTS = {
     "dp2 tp2 pp2 zero1": dict(dp=2, tp=2, pp=2, zero_stage=1),

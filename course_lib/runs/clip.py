@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ..clip import counted_parameters, global_norm, naive_norm
 from ..comm import Comm
 from ..data import SyntheticTokens, shard
-from ..experts import apply_ep
+from ..expert_parallel import apply_ep
 from ..mesh import Mesh, make_comms
 from ..model import build, loss_fn, preset
 from ..tensor_parallel import dtensor_plan
@@ -34,7 +34,7 @@ def one_process_norm(config=None, *, batch_size: int = 8, seq_len: int = 16, see
 def expert_parallel_norms(rank: int, world_size: int, *, ep: int = 2, batch_size: int = 8, seq_len: int = 16,
                           seed: int = 0) -> dict:
     """For ``launch``: a mixture-of-experts model, dp = world_size, its experts split over EP groups of ``ep``
-    ranks (experts.apply_ep). Each rank's gradients for its rows of step 0's batch, averaged as training would:
+    ranks (expert_parallel.apply_ep). Each rank's gradients for its rows of step 0's batch, averaged as training would:
     the shared weights over dp, each expert over its expert-dp replicas (its gradient already holds every EP
     rank's tokens). Returns the global norm, each parameter counted once (clip.counted_parameters), and the naive
     one (every rank's squares of all it holds)."""

@@ -13,8 +13,8 @@ from torch.nn.utils import parameters_to_vector
 from ..comm import Comm, bytes_written
 from ..data import SyntheticTokens, micro_batches
 from ..ddp import BucketedDDP, NaiveDDP
-from ..launch import device
 from ..model import build, loss_fn, preset
+from ..runtime.launch import device
 from ..units import MiB
 
 DDP_KINDS = ("none", "naive", "bucketed", "torch")

@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from ..context_parallel import shard_sequence
 from ..data import SyntheticTokens, shard
-from ..launch import device
 from ..measure import measure_state_bytes
 from ..mesh import Mesh, make_comms
 from ..model import build, loss_fn, preset
 from ..parallelize import Parallelism, parallelize
+from ..runtime.launch import device
 from ..tensor_parallel import dtensor_plan
 
 

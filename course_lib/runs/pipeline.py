@@ -18,7 +18,6 @@ from torch.distributed.pipelining import (
 
 from ..comm import Comm
 from ..data import SyntheticTokens
-from ..launch import device
 from ..model import GPT, build, preset
 from ..model import loss_fn as default_loss_fn
 from ..pipeline_parallel import (
@@ -31,6 +30,7 @@ from ..pipeline_parallel import (
     splits_backward,
     stage_chunks,
 )
+from ..runtime.launch import device
 
 
 def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedule="1f1b", num_layers: int = 4,

@@ -12,8 +12,8 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..data import SyntheticTokens
-from ..launch import launch
 from ..model import build, loss_fn, preset, widened
+from ..runtime.launch import launch
 from ..tensor_parallel import apply_tp
 
 

@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 
 from ..comm import Comm, WatchCollectives, bytes_written
 from ..data import SyntheticTokens, micro_batches
-from ..launch import device
 from ..measure import measure_state_bytes
 from ..mixed_precision import MixedPrecisionAdam
 from ..model import build, loss_fn, preset
+from ..runtime.launch import device
 from ..zero import ZeroDataParallel, default_units
 from .ddp import wrap
 

@@ -1,0 +1,243 @@
+"""A layout of GPUs for a training run, and what it costs: the memory its busiest GPU holds, its step time.
+
+A layout is a mesh (dp × tp × pp), a ZeRO stage over dp and the number of micro-batches the workload gives it.
+Its busiest GPU holds
+
+    state (per_rank.data_parallel_state_bytes; ZeRO-3: one layer gathered whole beside the shards)
+  + activations (per_rank.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s;
+    interleaved over v chunks, stage 0 holds 1 + (p - 1)/(p·v) times as much)
+  + a reserve (RESERVE_SHARE of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS
+    workspaces, temporaries such as a gathered layer's output)
+
+and its step takes cost.step_time. The global batch ties the axes: m = B / (dp · b) micro-batches per step,
+so more dp means fewer micro-batches and a bigger bubble. ``compare_recipes`` costs every layout of five
+recipes and keeps the best of each; ``plan`` (course_lib/plan.py) asks its questions with them:
+
+    data parallel       DDP, ZeRO-1 or ZeRO-2 over every GPU
+    ZeRO-3 / FSDP       weights sharded too, over every GPU
+    FSDP + TP           TP inside the node, ZeRO-3 over the rest
+    TP + PP + ZeRO-1    Megatron-LM's: TP inside the node, a pipeline (1F1B, or interleaved over v = 2 chunks when
+                        that is faster and fits), ZeRO-1 over dp
+    TP + PP + FSDP      Llama 3's and torchtitan's: the same cuts with ZeRO-3 over dp. The course's ZeRO-3 gathers
+                        each layer's weights for every micro-batch and reduce-scatters its gradients every
+                        micro-batch (2m all-gathers and m reduce-scatters a step, cost.step_time); Llama 3 keeps
+                        the weights gathered between micro-batches instead, which costs the traffic and the
+                        memory of ZeRO-1 (the weights and gradients whole for the step, the rest sharded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cost import StepTime, step_time
+from .ledger import CONVENTIONS, RECOMPUTE
+from .mesh import Mesh
+from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params
+from .runtime.arguments import check_whole
+from .tensor_parallel import check_tp_divisible
+from .units import GiB, MiB
+
+RESERVE_SHARE = 0.10   # of each GPU's memory, kept free for what no formula here counts (question 4)
+RECIPES = ("data parallel", "ZeRO-3 / FSDP", "FSDP + TP", "TP + PP + ZeRO-1", "TP + PP + FSDP")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step processes: ``global_batch_size`` sequences of ``seq_len`` tokens (None: the
+    model's max_seq_len), in micro-batches of ``micro_batch_size`` per data-parallel rank. 1,024 sequences of
+    4,096 tokens is Llama 2's 4M-token batch."""
+    seq_len: int | None = None
+    micro_batch_size: int = 1
+    global_batch_size: int = 1024
+    recompute: str = "selective"
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False      # embedding, head and loss split over TP (course_lib.vocab_parallel)
+    fused_norm: bool = True           # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
+
+    def __post_init__(self):
+        check_whole("micro_batch_size", self.micro_batch_size)
+        check_whole("global_batch_size", self.global_batch_size)
+        if self.seq_len is not None:
+            check_whole("seq_len", self.seq_len)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if self.global_batch_size < self.micro_batch_size:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and <= global_batch_size="
+                             f"{self.global_batch_size}")
+
+    def assumptions(self) -> str:
+        """What the memory counted for this workload assumes, in words (the planner prints it)."""
+        return (f"{self.recompute} recomputation, sequence parallelism {'on' if self.sequence_parallel else 'off'}, "
+                f"vocabulary {'split over TP' if self.vocab_parallel else 'whole on every TP rank'}, "
+                + ("fused-kernel RMSNorm (its input and an fp32 rstd per token)" if self.fused_norm else
+                   "RMSNorm as F.rms_norm on the CPU (fp32 copies of its input and of x·rstd)"))
+
+    def num_microbatches(self, dp: int) -> int | None:
+        """m = B / (dp · b), or None if the global batch does not split into whole micro-batches."""
+        m, rest = divmod(self.global_batch_size, dp * self.micro_batch_size)
+        return m if m >= 1 and rest == 0 else None
+
+
+@dataclass
+class Layout:
+    """One candidate layout of a recipe, with what its busiest GPU holds and how long a step takes."""
+    recipe: str
+    mesh: Mesh
+    zero_stage: int
+    num_microbatches: int
+    memory: dict[str, int]    # the busiest GPU: state, activations, reserve, total
+    gpu_bytes: int
+    time: StepTime
+    num_chunks: int = 1       # v > 1: interleaved 1F1B over v chunks of layers per GPU
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.gpu_bytes
+
+    def __str__(self) -> str:
+        m, mem = self.mesh, self.memory
+        zero = "no dp" if m.dp == 1 else stage_name(self.zero_stage)
+        recipe = self.recipe + (" (no pipeline)" if self.recipe == "TP + PP + ZeRO-1" and m.pp == 1 else "")
+        chunks = f" (interleaved, v = {self.num_chunks})" if self.num_chunks > 1 else ""
+        return (f"{recipe}: dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {self.num_microbatches}: "
+                f"{size_text(mem['total'])} of {size_text(self.gpu_bytes)} (state {size_text(mem['state'])} + activations "
+                f"{size_text(mem['activations'])} + reserve {size_text(mem['reserve'])}), "
+                f"{self.time.tokens_per_s:,.0f} tokens/s, MFU {self.time.mfu:.0%}")
+
+
+def size_text(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
+
+
+def seconds_text(seconds: float) -> str:
+    return next(f"{seconds * scale:.3g} {unit}" for scale, unit in ((1, "s"), (1e3, "ms"), (1e6, "µs"))
+                if seconds * scale >= 1 or unit == "µs")
+
+
+def stage_name(stage: int) -> str:
+    return "DDP" if stage == 0 else f"ZeRO-{stage}"
+
+
+def tp_splits_heads(config, tp: int) -> bool:
+    try:
+        check_tp_divisible(config, tp)
+        return True
+    except ValueError:
+        return False
+
+
+def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
+                  pp_stage: int | None = None, vocab_parallel: bool = False, num_chunks: int = 1) -> dict[str, int]:
+    """Training state on the fullest GPU of ``mesh`` (or on a GPU of pipeline stage ``pp_stage``) with
+    ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
+    (per_rank.data_parallel_state_bytes)."""
+    stages = range(mesh.pp) if pp_stage is None else [pp_stage]
+    return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param,
+                                          vocab_parallel=vocab_parallel, num_chunks=num_chunks)
+                for s in stages), key=lambda state: state["total"])
+
+
+def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
+    """What ZeRO-3 gathers to compute one layer: its weights and gradients, whole (or this rank's TP slice)."""
+    per_param = CONVENTIONS[convention]
+    return (per_param.weight_bytes + per_param.grad_bytes) * layer_params(config, tp)
+
+
+def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> int:
+    """The fullest GPU's training state, plus, with ZeRO-3, one layer gathered whole beside its shards."""
+    extra = gathered_layer_bytes(config, mesh.tp, convention) if stage == 3 else 0
+    return state_per_gpu(config, mesh, stage, convention)["total"] + extra
+
+
+def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
+                   convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
+                   num_chunks: int = 1) -> dict[str, int]:
+    """Question 4 for one layout: {"state", "activations", "reserve", "total"} bytes on its busiest GPU.
+
+    state: need_per_gpu of the GPU's stage (ZeRO-3: one layer gathered beside the shards); activations:
+    per_rank.activation_bytes_per_rank's peak for that stage under 1F1B (interleaved 1F1B over ``num_chunks``
+    v > 1), in the convention's 16- or 32-bit dtype;
+    reserve: ``reserve_share`` of the card. The busiest GPU is the stage with the largest sum (stage 0 holds the
+    most micro-batches, the last stage the head)."""
+    seq_len = workload.seq_len or config.max_seq_len
+    m = workload.num_microbatches(mesh.dp)
+    dtype = torch.bfloat16 if CONVENTIONS[convention].weight_bytes == 2 else torch.float32
+    stages = []
+    for stage in range(mesh.pp):
+        state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel, num_chunks)["total"]
+        state += gathered_layer_bytes(config, mesh.tp, convention) if zero_stage == 3 else 0
+        activations = activation_bytes_per_rank(
+            config, mesh, stage, micro_batch_size=workload.micro_batch_size, seq_len=seq_len, num_microbatches=m,
+            dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
+            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm, num_chunks=num_chunks,
+            schedule="interleaved" if num_chunks > 1 else "1f1b")["peak"]
+        stages.append({"state": state, "activations": activations})
+    busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
+    reserve = int(reserve_share * gpu_bytes)
+    return {**busiest, "reserve": reserve, "total": busiest["state"] + busiest["activations"] + reserve}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(config, num_gpus: int, node: int):
+    """(recipe, mesh, ZeRO stages to try, lowest first) for every grid the five recipes allow: TP degrees that
+    divide the node and the heads, pipelines no deeper than the layers. Megatron-style TP + PP + ZeRO-1 includes
+    pp = 1 (TP and ZeRO-1 alone), which Layout prints as "(no pipeline)"."""
+    for tp in [t for t in _divisors(node) if tp_splits_heads(config, t)]:
+        for pp in [p for p in _divisors(num_gpus // tp) if p <= config.num_layers]:
+            mesh = Mesh(dp=num_gpus // (tp * pp), tp=tp, pp=pp)
+            if tp == pp == 1:
+                yield "data parallel", mesh, (0, 1, 2)
+                yield "ZeRO-3 / FSDP", mesh, (3,)
+                continue
+            if pp == 1:
+                yield "FSDP + TP", mesh, (3,)
+            yield "TP + PP + ZeRO-1", mesh, (1,)
+            if pp > 1 and mesh.dp > 1:         # (with dp 1 there is nothing to shard: it is the recipe above)
+                yield "TP + PP + FSDP", mesh, (3,)
+
+
+def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
+    """How many chunks a pipeline may take per GPU: 1 (1F1B), and 2 (interleaved) when every one of the p·2
+    virtual stages gets a layer and m is a multiple of p (Megatron-LM's rule, schedules.interleaved_actions)."""
+    p = mesh.pp
+    interleaves = p > 1 and config.num_layers >= 2 * p and num_microbatches % p == 0
+    return (1, 2) if interleaves else (1,)
+
+
+def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload, gpu="A100 80GB",
+                    gpus_per_node: int = 8, convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
+                    dp_overlap: float = 0.5) -> list[Layout]:
+    """Question 5: the best layout of each recipe, fastest first: the fastest that fits, or, where none fits,
+    the one that needs the least memory. Step time is cost.step_time on ``gpu``'s speed and links, with
+    ``dp_overlap`` of the data-parallel traffic hidden behind compute (DDP's buckets and FSDP's prefetch both
+    overlap it; how much depends on the network: an assumption, stated)."""
+    node = min(gpus_per_node, num_gpus)
+    seq_len = workload.seq_len or config.max_seq_len
+    best: dict[str, Layout] = {}
+    for recipe, mesh, stages in candidate_layouts(config, num_gpus, node):
+        m = workload.num_microbatches(mesh.dp)
+        if m is None:
+            continue                         # the global batch does not split over this many replicas
+        for num_chunks in chunk_choices(config, mesh, m):
+            for stage in stages:
+                memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=gpu_bytes, convention=convention,
+                                        reserve_share=reserve_share, num_chunks=num_chunks)
+                time = step_time(config, mesh, gpu=gpu, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
+                                 num_microbatches=m, recompute=workload.recompute, zero_stage=stage,
+                                 sequence_parallel=workload.sequence_parallel, dp_overlap=dp_overlap,
+                                 gpus_per_node=gpus_per_node, bytes_per_element=CONVENTIONS[convention].weight_bytes,
+                                 grad_bytes=CONVENTIONS[convention].grad_bytes, vocab_parallel=workload.vocab_parallel,
+                                 virtual_stages=num_chunks)
+                layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time, num_chunks)
+                if layout.fits or stage == stages[-1]:
+                    break                    # the lowest ZeRO stage that fits: least traffic
+            old = best.get(recipe)
+            if old is None or (layout.fits, layout.time.tokens_per_s if layout.fits else -layout.memory["total"]) > (
+                    old.fits, old.time.tokens_per_s if old.fits else -old.memory["total"]):
+                best[recipe] = layout
+    return sorted(best.values(), key=lambda c: (not c.fits, -c.time.tokens_per_s))
