@@ -31,11 +31,55 @@ The 6ND rule: 6 · (all parameters) · (tokens), which counts each weight's mult
 (4), misses attention's s-dependent term and counts the embedding table as if it were a matmul. For llama2-7b
 at s = 4096 it is 12.3% below the exact count; for llama2-70b 6.9%.
 
-2. Step time (see step_time): each operation of a micro-batch timed on its roofline (course_lib.kernel_times, with
-hardware.py's GEMM curve), then the communication that is left exposed, the bubble and the optimizer. MFU and
-HFU keep the FLOP count above (Narayanan et al. eq. 3 on GPT shapes), whatever the kernels run. 3. a roofline
-for one layer (see roofline), 4. the published runs live in course_lib.published (compare_published), which
-builds on this module.
+2. Step time (step_time)
+------------------------
+Each operation of a micro-batch timed on its roofline (course_lib.kernel_times, with hardware.py's GEMM curve),
+then the communication that is left exposed, the bubble and the optimizer. MFU and HFU keep the FLOP count
+above (model FLOPs: 72·B·s·L·d²·(1 + s/6d + V/12Ld) on GPT shapes; hardware FLOPs add the recomputation, which
+is what Narayanan et al.'s eq. 3 counts), whatever the kernels run.
+
+b = micro_batch_size, s = seq_len, m = num_microbatches, t, p, dp = the mesh, v = num_chunks
+(interleaved 1F1B: v chunks of layers per GPU), P = the GPU's dense peak, a = b·s·d·bytes_per_element (one
+activation). Every micro-batch costs the same; the busiest stage sets the pace (partition_layers' split; the
+last stage also runs the final norm, the head and the loss):
+
+  compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
+             at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
+             none below its kernel launches; ``attention``: "flash" or "unfused"). The head is whole on every
+             TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
+             ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).
+  tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = all-reduces per layer as
+             tensor_parallel.tp_step_traffic counts what the course runs: 4 (2 forward, 2 backward), 5 with
+             full recomputation (torch's non-reentrant checkpoint stops at the last saved tensor, so the
+             MLP's all-reduce is not rerun; Megatron-LM's full recomputation reruns the whole forward: 6).
+             Sequence parallelism turns each into a reduce-scatter + an all-gather: the same bytes, two α.
+             hidden = the backward half, × tp_overlap, up to the weight-gradient GEMMs' time (Megatron runs the input-gradient all-reduce
+             beside the dW GEMM: Korthikanti et al. 2022, 5). NVLink if the TP group fits in a node.
+  pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
+             per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
+             (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
+             it), else a. pp_overlap = 1: asynchronous sends, hidden; 0: the course's executor, which waits.
+  bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v)
+  dp_s      = DP traffic of the busiest stage, group by group (per_rank.data_parallel_traffic: each group on
+             its own link, gradients of the convention's reduce bytes, weights of the dtype's): ZeRO 0
+             all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the updated weights; 2 reduce-scatters every micro-batch (it keeps only its shard of
+             the gradients); 3 also all-gathers the weights before every micro-batch's forward and backward
+             (FSDP's default, resharded after forward): 2m all-gathers, m reduce-scatters; m all-gathers with
+             job.reshard_after_forward False. Then
+             hidden = min(dp_overlap · traffic, window): bucket by bucket, the gradients' reduction runs
+             beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
+             1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers); the weights'
+             all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing.
+  optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
+             (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
+  total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
+  mfu       = model FLOPs (flops_per_step: forward and backward, no recomputation) of the dp·m·b sequences /
+             (total_s · P · dp·tp·pp); hfu with hardware FLOPs.
+
+Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
+
+3. a roofline for one layer (see roofline). 4. The published runs live in course_lib.published
+(compare_published), which builds on this module.
 """
 
 from __future__ import annotations
@@ -43,15 +87,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .hardware import GPU, find_gpu
+from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
-from .ledger import RECOMPUTE, active_params_per_token, check_zero_stage
+from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
-from .per_rank import params_per_rank
+from .per_rank import data_parallel_state_bytes, data_parallel_traffic
 from .pipeline_parallel import bubble_fraction, partition_layers
-from .runtime.arguments import check_number, check_whole
 from .tensor_parallel import tp_step_traffic
-from .zero import wire_bytes_per_step
 
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
 
@@ -147,120 +190,81 @@ def link_for(group_span: int, gpus_per_node: int, gpu: GPU):
     return gpu.nvlink if group_span <= gpus_per_node and gpus_per_node % group_span == 0 else gpu.network
 
 
-def params_on_gpu(config: ModelConfig, mesh: Mesh, stage: int, vocab_parallel: bool = False) -> int:
-    """mesh.params_per_rank, with the embedding and head tables split over TP if ``vocab_parallel``."""
-    params = params_per_rank(config, mesh, stage)
-    if vocab_parallel:
-        tables = (stage == 0) + (stage == mesh.pp - 1 and not (config.tie_embeddings and mesh.pp == 1))
-        params -= tables * (config.vocab_size * config.hidden - config.vocab_size * config.hidden // mesh.tp)
-    return params
+ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather")
 
 
-def dp_seconds(cost, params: int, zero_stage: int, n: int, m: int, grad_bytes: int, weight_bytes: int):
-    """(gradient part, weight part) of one step's DP traffic on one GPU: zero.wire_bytes_per_step's ops and
-    bytes (gradients of grad_bytes, weights of weight_bytes per parameter), each call paying α."""
-    calls = {0: {"all_reduce": 1}, 1: {"reduce_scatter": 1, "all_gather": 1},
-             2: {"reduce_scatter": m, "all_gather": 1}, 3: {"reduce_scatter": m, "all_gather": 2 * m}}[zero_stage]
-    grads = wire_bytes_per_step(params * grad_bytes, zero_stage, n, accumulation_steps=m)
-    weights = wire_bytes_per_step(params * weight_bytes, zero_stage, n, accumulation_steps=m)
-    gradient = sum(calls[op] * cost.alpha + grads[op] / cost.beta for op in grads if op != "all_gather")
-    weight = sum(calls[op] * cost.alpha + weights[op] / cost.beta for op in weights if op == "all_gather")
-    return gradient, weight
+def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
+              pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
+              scatter_gather: bool = False) -> StepTime:
+    """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
+    and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
+    communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends.
+    The formulas: the module docstring's part 2."""
+    hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
+                       tp_overlap=tp_overlap)
+    m = job.num_microbatches
+    stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather)
+    compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
+    stalled = bubble_fraction(job.mesh.pp, job.num_chunks * m)   # 1F1B's idle share, interleaved over v chunks
+    bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
+    # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
+    # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
+    held = job.replace(num_chunks=1, schedule="1f1b")
+    dp_comm, dp, dp_link = _dp_seconds(held, hw, compute, dp_overlap)
+    optimizer = max(optimizer_operation(hw, _updated_params(held, stage), job.grad_bytes).seconds
+                    for stage in range(job.mesh.pp))
+    total = m * (compute + tp + pp) + bubble + dp + optimizer
+    sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
+    flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute)
+    capacity = total * hw.peak_flops * job.mesh.size
+    return StepTime(compute_s=m * compute, tp_s=m * tp, pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
+                    tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
+                    hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
+                    links={"tp": link_for(job.mesh.tp, job.gpus_per_node, hw).name,
+                           "pp": link_for(job.mesh.size, job.gpus_per_node, hw).name, "dp": dp_link},
+                    optimizer_s=optimizer, operations=operations,
+                    achieved_share=stage_flops / (compute * hw.peak_flops))
 
 
-def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch_size: int,
-              num_microbatches: int, recompute: str = "none", zero_stage: int = 1,
-              sequence_parallel: bool = False, compute_efficiency: float | None = None,
-              dp_overlap: float = 0.0, pp_overlap: float = 0.0, virtual_stages: int = 1, gpus_per_node: int = 8,
-              vocab_parallel: bool = False, grad_bytes: int = 2, bytes_per_element: int = 2,
-              tp_overlap: float = 0.0, attention: str = "flash", scatter_gather: bool = False) -> StepTime:
-    """One training step of ``config`` on ``mesh``: each part's time, tokens/s, MFU, and each operation's time.
-
-    b = micro_batch_size, s = seq_len, m = num_microbatches, t, p, dp = the mesh, v = virtual_stages
-    (interleaved 1F1B: v chunks of layers per GPU), P = the GPU's dense peak, a = b·s·d·bytes_per_element (one
-    activation). Every micro-batch costs the same; the busiest stage sets the pace (partition_layers' split; the
-    last stage also runs the final norm, the head and the loss):
-
-      compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
-                 at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
-                 none below its kernel launches; ``attention``: "flash" or "unfused"). The head is whole on every
-                 TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
-                 ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).
-      tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = 4 all-reduces per layer (2 forward, 2
-                 backward: tensor_parallel.tp_step_traffic), 6 with full recomputation. Sequence parallelism turns
-                 each into a reduce-scatter + an all-gather: the same bytes, two α. hidden = the backward half,
-                 × tp_overlap, up to the weight-gradient GEMMs' time (Megatron runs the input-gradient all-reduce
-                 beside the dW GEMM: Korthikanti et al. 2022, 5). NVLink if the TP group fits in a node.
-      pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
-                 per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
-                 (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
-                 it), else a. pp_overlap = 1: asynchronous sends, hidden; 0: the course's executor, which waits.
-      bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v)
-      dp_s      = DP traffic of the stage with most parameters (zero.wire_bytes_per_step, one formula for
-                 memory and time): ZeRO 0 all-reduces the gradients once; 1 reduce-scatters them once and
-                 all-gathers the updated weights; 2 reduce-scatters every micro-batch (it keeps only its shard of
-                 the gradients); 3 also all-gathers the weights before every micro-batch's forward and backward
-                 (FSDP's default, resharded after forward): 2m all-gathers, m reduce-scatters. Then
-                 hidden = min(dp_overlap · traffic, window): bucket by bucket, the gradients' reduction runs
-                 beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
-                 1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers); the weights'
-                 all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing.
-      optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the GPU's parameters (/dp with ZeRO >= 1)
-      total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
-      mfu       = model FLOPs (flops_per_step: Narayanan et al. eq. 3's count) of the dp·m·b sequences /
-                 (total_s · P · dp·tp·pp); hfu with hardware FLOPs.
-
-    Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
-    """
-    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
-                        ("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
-        check_whole(name, value)
-    check_number("bytes_per_element", bytes_per_element, above=0)
-    check_number("grad_bytes", grad_bytes, above=0)
-    hw = find_gpu(gpu)
-    t, p, v, m, b = mesh.tp, mesh.pp, virtual_stages, num_microbatches, micro_batch_size
-    mesh.check_model(config, num_microbatches=m)
-    check_zero_stage(zero_stage)
-    shares = {"dp_overlap": dp_overlap, "pp_overlap": pp_overlap, "tp_overlap": tp_overlap}
+def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
+    """The job's own rules, a GPU to cost it on, and the assumptions in range. Returns the GPU."""
+    # Llama 3's interleaved layout gives the embedding and the head a chunk of their own: up to L + 2 chunks,
+    # which step_time costs and parallelize cannot build (Job's rule counts layers only).
+    mesh, layers = job.mesh, job.config.num_layers
+    chunks_rule = f"pp {mesh.pp} × num_chunks {job.num_chunks} = "
+    found = [problem for problem in job.problems()
+             if not (problem.startswith(chunks_rule) and mesh.pp * job.num_chunks <= layers + 2)]
+    if mesh.pp * job.num_chunks > layers + 2:
+        found.append(f"num_chunks={job.num_chunks}: pp {mesh.pp} × v chunks > {layers} layers + embedding + head")
+    if found:
+        raise ValueError("; ".join(found))
+    if job.gpu is None:
+        raise ValueError("job.gpu=None: a costed job names its GPU (hardware.GPUS), e.g. gpu='A100 80GB'")
     if compute_efficiency is not None and not 0 < compute_efficiency <= 1 or any(
             not 0 <= x <= 1 for x in shares.values()):
         raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] (or None), "
                          + ", ".join(f"{k}={x}" for k, x in shares.items()) + " in [0, 1]: they are shares")
-    # Each of the p·v chunks holds a layer, or the embedding or the head alone (Llama 3's first and last chunks).
-    check_whole("gpus_per_node", gpus_per_node)
-    if p * v > config.num_layers + 2:
-        raise ValueError(f"virtual_stages={v!r}: pp {p} × v chunks > {config.num_layers} layers + embedding + head")
+    return find_gpu(job.gpu)
 
-    kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=bytes_per_element)
-    layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=sequence_parallel, recompute=recompute,
-                                 attention=attention, **kernels)
-    head_ops = head_operations(config, hw, vocab_split=t if vocab_parallel else 1, **kernels)
+
+def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather):
+    """One micro-batch on each pipeline stage: (compute, exposed tp, exposed pp seconds, its operations, its
+    FLOPs) on one GPU of the stage; the slowest stage sets the pace (step_time's docstring)."""
+    config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
+    b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
+    kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=e)
+    layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
+                                 recompute=job.recompute, attention=attention, **kernels)
+    head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
-    layer_flops = 3 * (sum(terms.values()) - terms["head"]) / config.num_layers
-    layer_flops += recompute_flops(terms, recompute) / config.num_layers
-    head_flops = 3 * terms["head"] / (t if vocab_parallel else 1)
-
-    # The course's TP traffic formula, for one micro-batch: 2 all-reduces forward and 2 backward per layer.
-    traffic = tp_step_traffic(config, b, seq_len, t, bytes_per_element)
-    activation = traffic["payload_bytes_each"]
-    per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) // config.num_layers
-    if recompute == "full":
-        per_layer += traffic["forward_all_reduces"] // config.num_layers   # the forward, run again
-    tp_link = link_for(t, gpus_per_node, hw)
-    tp_per_layer = 0.0
-    if t > 1:
-        ops = ("reduce_scatter", "all_gather") if sequence_parallel else ("all_reduce",)
-        one = sum(tp_link.cost_model().seconds(op, activation, t) for op in ops)
-        weight_gradients = sum(op.seconds for op in layer_ops if op.name.endswith("_proj")) / (4 if recompute ==
-                                                                                                   "full" else 3)
-        backward = traffic["backward_all_reduces"] // config.num_layers * one
-        tp_per_layer = per_layer * one - min(tp_overlap * backward, weight_gradients)
-    pp_link = link_for(mesh.size, gpus_per_node, hw)
-    pp_bytes = activation // t if sequence_parallel or scatter_gather else activation
+    layer_flops = (3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)) / config.num_layers
+    head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
+    tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
+    pp_link = link_for(job.mesh.size, job.gpus_per_node, hw)
+    traffic = tp_step_traffic(config, b, seq_len, t, e)
+    pp_bytes = traffic["payload_bytes_each"] // (t if job.sequence_parallel or scatter_gather else 1)
     pp_per_microbatch = 2 * v * (pp_link.alpha_s + pp_bytes / pp_link.bytes_per_s) if p > 1 else 0.0
     pp_per_microbatch *= 1 - pp_overlap
-
-    # One micro-batch on each stage: (compute, tp, pp) seconds; the slowest stage sets the pace.
     stages = []
     for stage, layers in enumerate(partition_layers(config.num_layers, p)):
         ops = [op.times(len(layers)) for op in layer_ops] + (head_ops if stage == p - 1 else [])
@@ -268,33 +272,70 @@ def step_time(config: ModelConfig, mesh: Mesh, *, gpu, seq_len: int, micro_batch
         compute = (sum(op.seconds for op in ops) if compute_efficiency is None
                    else flops / (compute_efficiency * hw.peak_flops))
         stages.append((compute, len(layers) * tp_per_layer, pp_per_microbatch, ops, flops))
-    compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
-    stalled = bubble_fraction(p, v * m)    # 1F1B's idle share of the makespan, interleaved over v chunks
-    bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
+    return stages
 
-    dp_link = link_for(t * mesh.dp, gpus_per_node, hw)
-    params = max(params_on_gpu(config, mesh, stage, vocab_parallel) for stage in range(p))
-    dp_comm = dp = 0.0
-    if mesh.dp > 1:
-        gradient, weight = dp_seconds(dp_link.cost_model(), params, zero_stage, mesh.dp, m, grad_bytes,
-                                      bytes_per_element)
-        dp_comm = gradient + weight
-        backward = 2 / 3 * compute     # backward's share of a micro-batch: two of its three matmul passes
-        window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero_stage]
-        hideable = dp_comm if zero_stage == 3 else gradient
-        dp = dp_comm - min(dp_overlap * hideable, window)
-    optimizer = optimizer_operation(hw, params // (mesh.dp if zero_stage >= 1 else 1), grad_bytes).seconds
 
-    total = m * (compute + tp + pp) + bubble + dp + optimizer
-    sequences = mesh.dp * m * b
-    flops = flops_per_step(config, batch_size=sequences, seq_len=seq_len, recompute=recompute)
-    capacity = total * hw.peak_flops * mesh.size
-    return StepTime(compute_s=m * compute, tp_s=m * tp, pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
-                    tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
-                    hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
-                    links={"tp": tp_link.name, "pp": pp_link.name, "dp": dp_link.name},
-                    optimizer_s=optimizer, operations=operations,
-                    achieved_share=stage_flops / (compute * hw.peak_flops))
+def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> float:
+    """A layer's TP collectives for one micro-batch, as many as tensor_parallel.tp_step_traffic counts for the
+    job's recomputation, less the backward's share hidden behind the weight-gradient GEMMs (× tp_overlap)."""
+    config, t = job.config, job.mesh.tp
+    if t == 1:
+        return 0.0
+    traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence, t, job.bytes_per_element,
+                              recompute=job.recompute)
+    per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
+    link = link_for(t, job.gpus_per_node, hw)
+    ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
+    one = sum(link.cost_model().seconds(op, traffic["payload_bytes_each"], t) for op in ops)
+    passes = 4 if job.recompute == "full" else 3        # forward, input gradients, weight gradients (+ rerun)
+    weight_gradients = sum(op.seconds for op in layer_ops if op.name.endswith("_proj")) / passes
+    backward = 2 * one                                   # the backward's two all-reduces of the layer
+    return per_layer * one - min(tp_overlap * backward, weight_gradients)
+
+
+def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[float, float, str]:
+    """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
+    of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (step_time's
+    docstring): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute."""
+    mesh, m, zero = job.mesh, job.num_microbatches, job.zero
+    backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
+    busiest, link_name = (0.0, 0.0), link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
+    for stage in range(mesh.pp):
+        gradient = weight = 0.0
+        for group in data_parallel_traffic(job, stage):
+            link = link_for(group["span"], job.gpus_per_node, hw)
+            cost = link.cost_model()
+            for op, nbytes in group["ops"].items():
+                seconds = _calls(job, op, group) * cost.alpha + nbytes / cost.beta
+                if op == "all_gather":
+                    weight += seconds
+                else:
+                    gradient += seconds
+        if gradient + weight > sum(busiest):
+            busiest = (gradient, weight)
+    gradient, weight = busiest
+    if mesh.dp * mesh.cp == 1:
+        return 0.0, 0.0, link_name
+    hideable = gradient + weight if zero == 3 else gradient
+    return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
+
+
+def _calls(job: Job, op: str, group: dict) -> int:
+    """How many collectives of ``op`` a step runs on ``group`` (each pays the link's α once): one a step, or one
+    per micro-batch where ZeRO-2/3 reduce each micro-step, two where ZeRO-3 gathers for forward and backward."""
+    m, zero = job.num_microbatches, job.zero
+    if op == "all_gather" and zero == 3 and group["group"] != "dp_replicate":
+        return m * (2 if job.reshard_after_forward else 1)
+    if op == "reduce_scatter" and zero >= 2:
+        return m
+    return 1
+
+
+def _updated_params(job: Job, stage: int) -> int:
+    """The parameters one GPU of ``stage`` updates: its shard of the optimizer state, in parameters."""
+    per_param = CONVENTIONS[job.state_convention].optimizer_bytes
+    return data_parallel_state_bytes(job, stage)["optimizer"] // per_param
 
 
 # ------------------------------------------------------------------------------------------- 3. roofline

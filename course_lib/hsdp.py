@@ -51,7 +51,8 @@ class HybridShardedDataParallel(ZeroDataParallel):
 
     def __init__(self, module: nn.Module, shard_comm: Comm, replicate_comm: Comm, optimizer_class=MixedPrecisionAdam,
                  units: list[nn.Module] | None = None, **optimizer_kwargs):
-        super().__init__(module, shard_comm, 3, optimizer_class, units, **optimizer_kwargs)
+        super().__init__(module, shard_comm, zero_stage=3, optimizer_class=optimizer_class, units=units,
+                         **optimizer_kwargs)
         self.replicate_comm = replicate_comm
         for unit in self.units:                     # rank s of every replica holds shard s: replica 0's
             replicate_comm.broadcast(unit.shard.detach(), src=0)

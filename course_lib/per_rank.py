@@ -21,19 +21,24 @@ here adds ledger.zero_state_bytes, zero.wire_bytes_per_step or hsdp.hsdp_wire_by
 
 from __future__ import annotations
 
-import torch
-
 from .context_parallel import ring_attention_activation_bytes, ring_attention_bytes
 from .expert_parallel import all_to_all_bytes
 from .hsdp import hsdp_wire_bytes_per_step
-from .ledger import gpt_activation_bytes, gpt_layer_activation_bytes, recomputed_layer_bytes, zero_state_bytes
+from .job import Job
+from .ledger import (
+    CONVENTIONS,
+    gpt_activation_bytes,
+    gpt_layer_activation_bytes,
+    recomputed_layer_bytes,
+    zero_state_bytes,
+)
 from .mesh import Mesh
 from .model import layer_projection_params
 from .pipeline_parallel import partition_layers
 from .schedules import SCHEDULES, op_parts, splits_backward
 from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 from .vocab_parallel import vocab_parallel_activation_bytes, vocab_parallel_traffic
-from .zero import wire_bytes_per_step
+from .zero import transient_weight_bytes, wire_bytes_per_step
 
 
 def _expert_mlp_params(config) -> int:
@@ -95,27 +100,47 @@ def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1,
     return parts
 
 
-def data_parallel_state_bytes(config, mesh: Mesh, stage: int, zero_stage: int, *, weight_bytes: int = 2,
-                              grad_bytes: int = 2, optimizer_bytes: int = 12, num_chunks: int = 1,
-                              vocab_parallel: bool = False) -> dict[str, int]:
+def data_parallel_state_bytes(job: Job, stage: int) -> dict[str, int]:
     """Training state on one rank of pipeline stage ``stage``: {"weights", "grads", "optimizer", "total"},
-    ledger.zero_state_bytes of each data_parallel_parts entry over its own shard group, added. HSDP
-    (dp_replicate > 1) is ZeRO-3 inside a replica: pass zero_stage=3. No ZeRO padding (zero.padded_num_params)."""
-    states = [zero_state_bytes(count, zero_stage, group, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-                               optimizer_bytes=optimizer_bytes)
-              for count, group, _ in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel)]
+    ledger.zero_state_bytes of each data_parallel_parts entry over its own shard group, added, with the bytes per
+    parameter of ``job``'s state convention (ledger.CONVENTIONS). HSDP (dp_replicate > 1) is ZeRO-3 inside a
+    replica. At rest, between steps: what a step holds beside it is transient_bytes_per_rank. No ZeRO padding
+    (zero.padded_num_params)."""
+    per_param = CONVENTIONS[job.state_convention]
+    states = [zero_state_bytes(count, job.zero, group, weight_bytes=per_param.weight_bytes,
+                               grad_bytes=per_param.grad_bytes, optimizer_bytes=per_param.optimizer_bytes)
+              for count, group, _ in data_parallel_parts(job.config, job.mesh, stage, job.num_chunks,
+                                                         job.vocab_parallel)]
     return {part: sum(state[part] for state in states) for part in states[0]}
 
 
-def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                          accumulation_steps: int = 1, num_chunks: int = 1, vocab_parallel: bool = False) -> list[dict]:
+def transient_bytes_per_rank(job: Job, stage: int) -> int:
+    """Weights held only while a step runs, beyond data_parallel_state_bytes' state at rest: ZeRO-3 gathers each
+    unit (embedding, each layer, final norm, head) whole to run it (zero.transient_weight_bytes: the largest unit
+    when it reshards after forward, every unit of the stage when it keeps them, reshard_after_forward=False);
+    stages 0-2 hold their weights whole anyway: 0. The course's ZeroDataParallel records it (tests/test_zero*)."""
+    if job.zero != 3:
+        return 0
+    config, mesh = job.config, job.mesh
+    layer = layer_params(config, mesh.tp, mesh.ep)
+    table = config.vocab_size * config.hidden // (mesh.tp if job.vocab_parallel else 1)
+    units = [layer] * layers_per_rank(config, mesh, stage, job.num_chunks)
+    units += [table] if stage == 0 else []
+    if stage == mesh.pp - 1:
+        units += [config.hidden] + ([] if config.tie_embeddings and mesh.pp == 1 else [table])
+    return transient_weight_bytes(units, 3, job.bytes_per_element, job.reshard_after_forward)
+
+
+def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
     """What one rank of ``stage`` sends per optimizer step to average its gradients (ZeRO 1-3: and gather its
     weights), group by group: [{"group", "size", "span", "ops"}]. "group" names the mesh's group ("dp_cp",
     "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
     "span" is how many consecutive ranks the group reaches across (its link: inside a node when the span fits
-    one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step).
-    ``accumulation_steps``: micro-steps per optimizer step (a pipeline's micro-batches: ZeRO-2 and -3 reduce,
-    ZeRO-3 gathers, in each of them)."""
+    one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step), gradients
+    of job.grad_bytes and gathered weights of job.bytes_per_element each. The job's micro-batches are the micro-steps of an optimizer step
+    (ZeRO-2 and -3 reduce, ZeRO-3 gathers, in each of them; without resharding after forward, once)."""
+    config, mesh, zero_stage, grad_bytes = job.config, job.mesh, job.zero, job.grad_bytes
+    accumulation_steps, num_chunks, vocab_parallel = job.num_microbatches, job.num_chunks, job.vocab_parallel
     replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
     traffic = []
     for count, group, replicas in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel):
@@ -130,37 +155,34 @@ def data_parallel_traffic(config, mesh: Mesh, stage: int, zero_stage: int, *, gr
                          "ops": {"all_reduce": across}}]
         else:
             name = "dp_cp" if group == mesh.dp * mesh.cp else "expert_dp"
-            traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp,
-                            "ops": wire_bytes_per_step(count * grad_bytes, zero_stage, group, accumulation_steps)})
+            reduce = wire_bytes_per_step(count * job.grad_bytes, zero_stage, group, accumulation_steps)
+            gather = wire_bytes_per_step(count * job.bytes_per_element, zero_stage, group, accumulation_steps,
+                                         reshard_after_forward=job.reshard_after_forward)
+            ops = {op: (gather if op == "all_gather" else reduce)[op] for op in reduce}
+            traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp, "ops": ops})
     return traffic
 
 
-def data_parallel_bytes_per_step(config, mesh: Mesh, stage: int, zero_stage: int, *, grad_bytes: int = 2,
-                                 accumulation_steps: int = 1, num_chunks: int = 1,
-                                 vocab_parallel: bool = False) -> dict[str, float]:
+def data_parallel_bytes_per_step(job: Job, stage: int) -> dict[str, float]:
     """data_parallel_traffic's bytes by op, over all its groups: what one rank sends per optimizer step to
     average its gradients."""
     total: dict[str, float] = {}
-    for part in data_parallel_traffic(config, mesh, stage, zero_stage, grad_bytes=grad_bytes,
-                                      accumulation_steps=accumulation_steps, num_chunks=num_chunks,
-                                      vocab_parallel=vocab_parallel):
+    for part in data_parallel_traffic(job, stage):
         for op, nbytes in part["ops"].items():
             total[op] = total.get(op, 0) + nbytes
     return total
 
 
-def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_len: int, num_microbatches: int,
-                        bytes_per_element: int = 4, sequence_parallel: bool = False,
-                        capacity_factor: float | None = None, zero_stage: int = 0,
-                        num_chunks: int = 1, recompute: str = "none", vocab_parallel: bool = False) -> dict[str, float]:
-    """Bytes one rank of ``stage`` sends in one training step, per axis (ring algorithms, as comm.wire_bytes):
+def sent_bytes_per_rank(job: Job, stage: int) -> dict[str, float]:
+    """Bytes one rank of ``stage`` sends in one training step of ``job``, per axis (ring algorithms, as
+    comm.wire_bytes), each element of job.bytes_per_element bytes:
 
     * tp: 4 all-reduces per layer and micro-batch (2 forward, 2 backward), each of one activation
       a = (batch/dp/m) · (seq/cp) · hidden · bytes, each sending 2(tp-1)/tp · a;
     * pp: one activation a per micro-batch to the next stage (not from the last), one gradient of it to the
       previous stage (not from the first); with ``num_chunks`` v > 1, so for each of its chunks (virtual stage
       c·pp + stage: to the next virtual stage unless the last, back unless the first);
-    * dp: data_parallel_bytes_per_step with ``zero_stage`` (default 0: one all-reduce of this rank's gradients
+    * dp: data_parallel_bytes_per_step (ZeRO stage 0 or NaiveDDP: one all-reduce of this rank's gradients
       over the dp × cp ranks that hold the same weights, 2(dp·cp-1)/(dp·cp) · params_per_rank · bytes; a
       mixture's experts over their dp·cp/ep ranks, expert_dp), the micro-batches its accumulation steps;
     * cp (when cp > 1): ring attention in each layer and micro-batch, forward and backward
@@ -174,14 +196,16 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic) and each layer's
     ring (cp). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
     """
+    config, mesh, seq_len, num_microbatches = job.config, job.mesh, job.tokens_per_sequence, job.num_microbatches
+    sequence_parallel, vocab_parallel, num_chunks = job.sequence_parallel, job.vocab_parallel, job.num_chunks
     mesh.check_sequence(seq_len)
-    micro_batch, local_seq = batch_size // mesh.dp // num_microbatches, seq_len // mesh.cp
+    micro_batch, local_seq, bytes_per_element = job.micro_batch_size, seq_len // mesh.cp, job.bytes_per_element
     activation = tp_allreduce_bytes(micro_batch, local_seq, config.hidden, bytes_per_element)
     layers = layers_per_rank(config, mesh, stage, num_chunks)
     tp = 0
     if mesh.tp > 1:
         tp = num_microbatches * tp_step_traffic(config, micro_batch, local_seq, mesh.tp, bytes_per_element,
-                                                sequence_parallel, layers, stage, mesh.pp, recompute)["wire_bytes_per_rank"]
+                                                sequence_parallel, layers, stage, mesh.pp, job.recompute)["wire_bytes_per_rank"]
         if vocab_parallel:
             tp += num_microbatches * vocab_parallel_traffic(micro_batch, local_seq, config.hidden, bytes_per_element,
                                                             mesh.tp, first_stage=stage == 0,
@@ -190,19 +214,15 @@ def sent_bytes_per_rank(config, mesh: Mesh, stage: int, *, batch_size: int, seq_
     last = mesh.pp * num_chunks - 1
     hand_offs = sum((c * mesh.pp + stage < last) + (c * mesh.pp + stage > 0) for c in range(num_chunks))
     pp = num_microbatches * boundary * hand_offs
-    dp = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=bytes_per_element,
-                                      accumulation_steps=num_microbatches, num_chunks=num_chunks,
-                                      vocab_parallel=vocab_parallel)
-    sent = {"tp": tp, "pp": pp, "dp": sum(dp.values())}
+    sent = {"tp": tp, "pp": pp, "dp": sum(data_parallel_bytes_per_step(job, stage).values())}
     if mesh.cp > 1:
-        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[bytes_per_element]
         ring = ring_attention_bytes(micro_batch, config.num_kv_heads // mesh.tp, seq_len, config.head_dim, mesh.cp,
-                                    dtype)
-        rerun = ring["forward"] if recompute == "full" else 0        # a recomputed layer runs its ring again
+                                    job.torch_dtype)
+        rerun = ring["forward"] if job.recompute == "full" else 0        # a recomputed layer runs its ring again
         sent["cp"] = layers * num_microbatches * (ring["forward"] + ring["backward"] + rerun)
     if mesh.ep > 1:
         one = all_to_all_bytes(micro_batch * local_seq, config.hidden, config.num_experts, config.top_k,
-                               capacity_factor, mesh.ep, bytes_per_element)
+                               job.capacity_factor, mesh.ep, bytes_per_element)
         sent["ep"] = 4 * layers * num_microbatches * one
     return sent
 
@@ -258,12 +278,8 @@ def context_parallel_layer_terms(config, batch_size: int, seq_len: int, dtype, t
     return {"attn": ring + rotary, "attn.o_proj": batch_size * local_seq * config.hidden // tp * e}
 
 
-def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_size: int, seq_len: int,
-                              num_microbatches: int, schedule: str = "1f1b", dtype=torch.bfloat16,
-                              recompute: str = "selective", sequence_parallel: bool = False,
-                              vocab_parallel: bool = False, fused_norm: bool = True,
-                              num_chunks: int = 1) -> dict[str, int]:
-    """Saved-activation bytes on one rank of ``stage``: {"per_microbatch", "in_flight", "peak"}.
+def activation_bytes_per_rank(job: Job, stage: int) -> dict[str, int]:
+    """Saved-activation bytes on one rank of ``stage`` in ``job``: {"per_microbatch", "in_flight", "peak"}.
 
     One micro-batch: the stage's layers (ledger.gpt_layer_activation_bytes on one of tp ranks, with
     ``recompute``: course_lib.recompute's "selective" keeps q, k, v of each attention core, "full" each
@@ -278,17 +294,17 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
     Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
     mixture of experts' layer has no formula here).
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
+    config, mesh, seq_len, dtype, recompute = job.config, job.mesh, job.tokens_per_sequence, job.torch_dtype, job.recompute
+    sequence_parallel, fused_norm, num_chunks = job.sequence_parallel, job.fused_norm, job.num_chunks
     mesh.check_sequence(seq_len)
-    b, s = micro_batch_size, seq_len // mesh.cp
+    b, s = job.micro_batch_size, seq_len // mesh.cp
     terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, fused_norm=fused_norm,
                                        recompute="none" if mesh.cp > 1 and recompute == "selective" else recompute)
     if mesh.cp > 1 and recompute != "full":
         terms.update(context_parallel_layer_terms(config, b, seq_len, dtype, mesh.tp, mesh.cp))
     whole = gpt_activation_bytes(config, b, s, dtype, fused_norm=fused_norm)
     embed, loss = whole["embed"], whole["loss"]
-    if vocab_parallel and mesh.tp > 1:
+    if job.vocab_parallel and mesh.tp > 1:
         split = vocab_parallel_activation_bytes(b, s, config.vocab_size, mesh.tp)
         embed, loss = split["embed"], split["loss"]
     parts, last = partition_layers(config.num_layers, mesh.pp, num_chunks=num_chunks), mesh.pp * num_chunks - 1
@@ -298,7 +314,7 @@ def activation_bytes_per_rank(config, mesh: Mesh, stage: int, *, micro_batch_siz
         return (len(parts[virtual_stage]) * sum(terms.values()) + (embed if virtual_stage == 0 else 0)
                 + (whole["norm"] + whole["head"] + loss if virtual_stage == last else 0))
 
-    in_flight, held = held_over_schedule(mesh, stage, num_microbatches, schedule, num_chunks, chunk_bytes)
+    in_flight, held = held_over_schedule(mesh, stage, job.num_microbatches, job.schedule, num_chunks, chunk_bytes)
     per_microbatch = sum(chunk_bytes(chunk) for chunk in range(num_chunks))
     rerun = 0 if mesh.cp > 1 and recompute == "selective" else recomputed_layer_bytes(   # (ring: no rerun)
         config, b, s, dtype, mesh.tp, sequence_parallel, recompute=recompute, fused_norm=fused_norm)

@@ -339,20 +339,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     model.loss_fn. Under sequence parallelism (apply_tp(..., sequence_parallel=True) before make_stage) the stages
     pass each other this rank's slice of the sequence, [B/m, S/tp, d]: 1/tp of the bytes (Narayanan et al. 2021's
     scatter/gather; the next stage's first all-gather, before its attention, makes it whole where needed).
-
-    Messages. Everything is posted from this thread, as Megatron-LM and picotron do, so the same code runs
-    on gloo and NCCL. Before each op, the tensor the previous op produced for a neighbour (sends) and the
-    tensor this op needs from a neighbour (receives) are posted together as one batch (`Comm.exchange`,
-    torch's batch_isend_irecv). NCCL runs a batch as one group: in 1F1B's steady state two neighbours send to
-    each other at the same moment, and posted one by one each send would wait for a receive queued behind
-    the other's send. The op then waits only for its own input (that wait is the rank's idle time); sends
-    complete in the background and are waited for at the end of the step.
-
-    Split backward (W ops). B: torch.autograd.grad(out, x, grad, retain_graph=True), dL/dx, sent upstream at once;
-    W, later: torch.autograd.backward(out, grad, inputs=the chunk's parameters) on the graph B kept. Simplest and
-    honest, not cheapest: W walks the graph again, recomputing B's activation gradients (B + W ≈ 1.5 backwards),
-    and the graph lives until W (torch and the paper keep B's intermediate gradients: W then does only the weight
-    products). On the first virtual stage, with no input gradient to send, B does nothing and W all of it.
+    Messages: `_receive`; backward, whole or split into B and W: `_backward`.
     """
     chunks = stage_chunks(stage_module)
     stage, num_stages, m = comm.rank, comm.size, num_microbatches
@@ -375,12 +362,8 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
     for kind, k, c in map(op_parts, actions[stage]):
         virtual = c * num_stages + stage
         source = needs_from(kind, virtual, num_virtual)     # the virtual stage whose output this op needs
-        incoming = torch.empty(**boundary) if source is not None else None
-        works = comm.exchange(sends=outgoing, recvs=[] if source is None else [(incoming, source % num_stages)])
-        in_transit += zip(outgoing, works)
+        incoming = _receive(comm, outgoing, in_transit, source, num_stages, boundary)
         outgoing = []
-        if source is not None:
-            works[-1].wait()                    # idle until the neighbour's tensor has arrived
         with recorder.op(kind, k, c):
             if kind == "F":
                 x = input_chunks[k].to(param.device) if virtual == 0 else incoming.requires_grad_()
@@ -389,18 +372,8 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
                     out = loss_fn(out, target_chunks[k].to(param.device)) / m
                     loss += math.nan if out.is_meta else out.item()   # a meta tensor has no value
                 held[k, c] = (x, out, None)
-            elif kind == "B" and not split:
-                x, out, _ = held.pop((k, c))
-                torch.autograd.backward(out, incoming)   # dL/d(out) from the next virtual stage (None: the loss)
-                input_grad = x.grad
-            elif kind == "B":
-                x, out, _ = held[k, c]
-                if virtual > 0:   # (autograd may return an expanded view; a send needs contiguous memory)
-                    input_grad = torch.autograd.grad(out, x, incoming, retain_graph=True)[0].contiguous()
-                held[k, c] = (x, out, incoming)
-            else:   # "W"
-                x, out, output_grad = held.pop((k, c))
-                torch.autograd.backward(out, output_grad, inputs=list(chunks[c].parameters()))
+            else:
+                input_grad = _backward(kind, held, (k, c), incoming, split, virtual > 0, chunks[c])
         target = sends_to(kind, virtual, num_virtual)
         if target is not None:
             outgoing = [(out.detach() if kind == "F" else input_grad, target % num_stages)]
@@ -409,3 +382,39 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, tar
         work.wait()
     return {"rank": stage, "num_microbatches": m, "loss": loss if stage == num_stages - 1 else None,
             **recorder.result()}
+
+
+def _receive(comm: Comm, outgoing: list, in_transit: list, source: int | None, num_stages: int, boundary: dict):
+    """Post ``outgoing`` (what the previous op produced for a neighbour) and the receive of this op's input from virtual
+    stage ``source`` (None: none) as one batch, `Comm.exchange` (torch's batch_isend_irecv); wait for the input only
+    (the rank's idle time) and return it. Sends complete in the background (``in_transit``), waited for at the end of
+    the step. Everything is posted from this thread, as Megatron-LM and picotron do, so the same code runs on gloo and
+    NCCL. NCCL runs a batch as one group: in 1F1B's steady state two neighbours send to each other at the same moment,
+    and posted one by one each send would wait for a receive queued behind the other's send."""
+    incoming = torch.empty(**boundary) if source is not None else None
+    works = comm.exchange(sends=outgoing, recvs=[] if source is None else [(incoming, source % num_stages)])
+    in_transit += zip(outgoing, works)
+    if source is not None:
+        works[-1].wait()                    # idle until the neighbour's tensor has arrived
+    return incoming
+
+
+def _backward(kind: str, held: dict, key: tuple, incoming, split: bool, has_input_grad: bool, chunk: nn.Module):
+    """Backward op ``kind`` ("B" or "W") of ``key`` = (micro-batch, chunk), on what ``held`` keeps of it; returns
+    dL/dx to send upstream (None for W, and for B on the first virtual stage: ``has_input_grad`` False).
+    Split backward: B runs torch.autograd.grad(out, x, grad, retain_graph=True), dL/dx, sent upstream at once; W,
+    later, torch.autograd.backward(out, grad, inputs=the chunk's parameters) on the graph B kept. Simplest and
+    honest, not cheapest: W walks the graph again, recomputing B's activation gradients (B + W ≈ 1.5 backwards),
+    and the graph lives until W (torch and the paper keep B's intermediate gradients: W then does only the weight
+    products). On the first virtual stage, with no input gradient to send, B does nothing and W all of it."""
+    if kind == "B" and not split:
+        x, out, _ = held.pop(key)
+        torch.autograd.backward(out, incoming)   # dL/d(out) from the next virtual stage (None: the loss)
+        return x.grad
+    if kind == "W":
+        x, out, output_grad = held.pop(key)
+        torch.autograd.backward(out, output_grad, inputs=list(chunk.parameters()))
+        return None
+    x, out, _ = held[key]
+    held[key] = (x, out, incoming)      # for W (.contiguous(): autograd may return an expanded view)
+    return torch.autograd.grad(out, x, incoming, retain_graph=True)[0].contiguous() if has_input_grad else None

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import step_time
+from .cost import ASSUMPTIONS, step_time
+from .job import Job
 from .mesh import Mesh
 from .model import ModelConfig, preset
 
@@ -40,11 +41,21 @@ class PublishedRun:
     config: ModelConfig
     gpu: str
     mesh: Mesh
-    layout: dict              # the other keywords of step_time
+    layout: dict              # the Job's other fields, and step_time's assumptions (cost.ASSUMPTIONS)
     metric: str               # "mfu" or "hfu": what the source reports
     reported: float
     source: str
     assumed: str              # what the source does not say, and what we took
+
+    @property
+    def job(self) -> Job:
+        fields = {key: value for key, value in self.layout.items() if key not in ASSUMPTIONS}
+        return Job(self.config, self.mesh, gpu=self.gpu, **fields)
+
+    @property
+    def assumptions(self) -> dict:
+        """The cost model's assumptions for this run (cost.step_time's keywords)."""
+        return {key: value for key, value in self.layout.items() if key in ASSUMPTIONS}
 
 
 NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
@@ -94,7 +105,8 @@ def korthikanti_run(name, heads, hidden, layers, pp, gpus, batch, b, v, seconds,
     return PublishedRun(
         f"GPT {name}, {gpus} A100, SP + selective (Korthikanti et al. 2022)",
         gpt_config(hidden=hidden, num_layers=layers, num_heads=heads), "A100 80GB", Mesh(dp=1, tp=8, pp=pp),
-        dict(seq_len=2048, micro_batch_size=b, num_microbatches=batch // b, virtual_stages=v, recompute="selective",
+        dict(seq_len=2048, micro_batch_size=b, num_microbatches=batch // b, num_chunks=v,
+             schedule="interleaved" if v > 1 else "1f1b", recompute="selective",
              sequence_parallel=True, vocab_parallel=True, tp_overlap=1.0, attention="unfused"),
         "mfu", mfu,
         f"{KORTHIKANTI}: {name}, {heads} heads, hidden {hidden:,}, {layers} layers, TP 8, PP {pp}, {gpus} GPUs, "
@@ -104,8 +116,8 @@ def korthikanti_run(name, heads, hidden, layers, pp, gpus, batch, b, v, seconds,
 
 
 # Llama 3 405B at 8K tokens, as section 3.3.2 describes it (the rest of its layout is in each row).
-LLAMA3_LAYOUT = dict(virtual_stages=8, recompute="none", vocab_parallel=True, grad_bytes=4, pp_overlap=1.0,
-                     attention="flash")
+LLAMA3_LAYOUT = dict(num_chunks=8, schedule="interleaved", recompute="none", vocab_parallel=True, zero_stage=1,
+                     convention="bf16+fp32 grads", pp_overlap=1.0, attention="flash")
 LLAMA3_SOURCE = ("Grattafiori et al. 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783), Table 4 and section "
                  "3.3.2: interleaved schedule, one layer fewer on the first and last stages so that 'the first "
                  "model chunk on the first stage has only the embedding', asynchronous point-to-point, no "
@@ -142,7 +154,7 @@ def compare_published() -> list[dict]:
     source reports), with the step's split."""
     rows = []
     for run in PUBLISHED_RUNS:
-        step = step_time(run.config, run.mesh, gpu=run.gpu, **run.layout)
+        step = step_time(run.job, **run.assumptions)
         ours = getattr(step, run.metric)
         rows.append({"name": run.name, "metric": run.metric, "theirs": run.reported, "ours": ours,
                      "points": 100 * (ours - run.reported), "ratio": ours / run.reported, "step": step,

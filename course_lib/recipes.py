@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .cost import StepTime, step_time
+from .job import Job
 from .ledger import CONVENTIONS, RECOMPUTE
 from .mesh import Mesh
 from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params
@@ -73,6 +72,21 @@ class Workload:
                 f"vocabulary {'split over TP' if self.vocab_parallel else 'whole on every TP rank'}, "
                 + ("fused-kernel RMSNorm (its input and an fp32 rstd per token)" if self.fused_norm else
                    "RMSNorm as F.rms_norm on the CPU (fp32 copies of its input and of x·rstd)"))
+
+    def job(self, config, mesh: Mesh, zero_stage: int, *, convention: str = "mixed", num_chunks: int = 1,
+            gpu: str | None = None, gpus_per_node: int = 8) -> Job:
+        """This workload on ``mesh`` as one Job (m = B / (dp · b), which must be whole: num_microbatches), with the
+        convention's dtype (16-bit weights: bf16) and 1F1B, or interleaved 1F1B over ``num_chunks`` v > 1."""
+        m = self.num_microbatches(mesh.dp)
+        if m is None:
+            raise ValueError(f"global_batch_size={self.global_batch_size} does not split into micro-batches of "
+                             f"{self.micro_batch_size} over dp {mesh.dp}")
+        dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
+        return Job(config, mesh, seq_len=self.seq_len or config.max_seq_len, micro_batch_size=self.micro_batch_size,
+                   num_microbatches=m, zero_stage=zero_stage, sequence_parallel=self.sequence_parallel,
+                   vocab_parallel=self.vocab_parallel, recompute=self.recompute, num_chunks=num_chunks,
+                   schedule="interleaved" if num_chunks > 1 else "1f1b", dtype=dtype, convention=convention,
+                   fused_norm=self.fused_norm, gpu=gpu, gpus_per_node=gpus_per_node)
 
     def num_microbatches(self, dp: int) -> int | None:
         """m = B / (dp · b), or None if the global batch does not split into whole micro-batches."""
@@ -134,9 +148,10 @@ def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
     ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
     (per_rank.data_parallel_state_bytes)."""
     stages = range(mesh.pp) if pp_stage is None else [pp_stage]
-    return max((data_parallel_state_bytes(config, mesh, s, stage, **CONVENTIONS[convention].per_param,
-                                          vocab_parallel=vocab_parallel, num_chunks=num_chunks)
-                for s in stages), key=lambda state: state["total"])
+    dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
+    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype, vocab_parallel=vocab_parallel,
+              num_chunks=num_chunks)
+    return max((data_parallel_state_bytes(job, s) for s in stages), key=lambda state: state["total"])
 
 
 def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
@@ -161,18 +176,12 @@ def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, g
     v > 1), in the convention's 16- or 32-bit dtype;
     reserve: ``reserve_share`` of the card. The busiest GPU is the stage with the largest sum (stage 0 holds the
     most micro-batches, the last stage the head)."""
-    seq_len = workload.seq_len or config.max_seq_len
-    m = workload.num_microbatches(mesh.dp)
-    dtype = torch.bfloat16 if CONVENTIONS[convention].weight_bytes == 2 else torch.float32
+    job = workload.job(config, mesh, zero_stage, convention=convention, num_chunks=num_chunks)
     stages = []
     for stage in range(mesh.pp):
         state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel, num_chunks)["total"]
         state += gathered_layer_bytes(config, mesh.tp, convention) if zero_stage == 3 else 0
-        activations = activation_bytes_per_rank(
-            config, mesh, stage, micro_batch_size=workload.micro_batch_size, seq_len=seq_len, num_microbatches=m,
-            dtype=dtype, recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
-            vocab_parallel=workload.vocab_parallel, fused_norm=workload.fused_norm, num_chunks=num_chunks,
-            schedule="interleaved" if num_chunks > 1 else "1f1b")["peak"]
+        activations = activation_bytes_per_rank(job, stage)["peak"]
         stages.append({"state": state, "activations": activations})
     busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
     reserve = int(reserve_share * gpu_bytes)
@@ -217,7 +226,6 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
     ``dp_overlap`` of the data-parallel traffic hidden behind compute (DDP's buckets and FSDP's prefetch both
     overlap it; how much depends on the network: an assumption, stated)."""
     node = min(gpus_per_node, num_gpus)
-    seq_len = workload.seq_len or config.max_seq_len
     best: dict[str, Layout] = {}
     for recipe, mesh, stages in candidate_layouts(config, num_gpus, node):
         m = workload.num_microbatches(mesh.dp)
@@ -227,12 +235,9 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
             for stage in stages:
                 memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=gpu_bytes, convention=convention,
                                         reserve_share=reserve_share, num_chunks=num_chunks)
-                time = step_time(config, mesh, gpu=gpu, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
-                                 num_microbatches=m, recompute=workload.recompute, zero_stage=stage,
-                                 sequence_parallel=workload.sequence_parallel, dp_overlap=dp_overlap,
-                                 gpus_per_node=gpus_per_node, bytes_per_element=CONVENTIONS[convention].weight_bytes,
-                                 grad_bytes=CONVENTIONS[convention].grad_bytes, vocab_parallel=workload.vocab_parallel,
-                                 virtual_stages=num_chunks)
+                job = workload.job(config, mesh, stage, convention=convention, num_chunks=num_chunks, gpu=gpu,
+                                   gpus_per_node=gpus_per_node)
+                time = step_time(job, dp_overlap=dp_overlap)
                 layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time, num_chunks)
                 if layout.fits or stage == stages[-1]:
                     break                    # the lowest ZeRO stage that fits: least traffic

@@ -1,7 +1,7 @@
 """The virtual cluster: any one rank of a world of thousands, run in this process, in seconds.
 
     python -m course_lib.virtual --preset llama2-70b --dp 4 --tp 8 --pp 4 --rank 37 \\
-        --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero 1 --recompute selective
+        --seq-len 4096 --micro-batch-size 1 --num-microbatches 16 --zero-stage 1 --recompute selective
     python -m course_lib.virtual --preset mixtral-8x7b --dp 4 --cp 2 --ep 8 --pp 4 --rank 5 --seq-len 32768
 
 each prints a table (``--json``: run_rank's record, one JSON object): what rank 37 of 128 holds (training
@@ -35,22 +35,14 @@ reruns its TP collectives: traced. ``sequence_parallel`` runs ``apply_tp(..., se
 all-reduces included: tensor_parallel.tp_step_traffic), and the stages pass s/tp of the sequence (Megatron-LM's
 scatter/gather): measured. ``vocab_parallel`` runs apply_tp's split vocabulary (course_lib.vocab_parallel).
 
-The axes beyond 3D (``--cp``, ``--ep``, ``--dp-replicate``; mesh.py lays them out):
-
-* cp runs: ``parallelize`` applies ``apply_context_parallel`` (ring attention over the CP group) before TP,
-  each rank takes s/cp tokens of every sequence, and ZeRO averages over the dp × cp ranks (the "dp_cp" group).
-  Measured: state, activations (per_rank.context_parallel_layer_terms), the ring's bytes ("cp") and the rest.
-* hybrid sharding runs (``--dp-replicate`` R > 1, ZeRO-3): hsdp.HybridShardedDataParallel shards over the
-  dp/R × cp ranks of a replica and all-reduces the shards' gradients over the R replicas: all measured.
-  Sequence parallelism with cp > 1 is refused: apply_tp's SP would cut the rank's slice again, and ring
-  attention's positions assume it does not.
-* ep runs on a mixture-of-experts preset (mixtral-8x7b), tp 1: ``expert_parallel.apply_ep`` keeps this rank's E/ep
-  experts and sends tokens with all-to-all over the EP group (measured: "ep" bytes and ops, activations).
-  Computed, labelled so: state_bytes and sent_bytes.dp. The experts' gradients are averaged over the expert_dp
-  group (dp·cp/ep ranks) and everything else over dp_cp, and ZeroDataParallel averages over one group, so the
-  step runs no data-parallel wrapper (``Parallelism(data_parallel=False)``); per_rank's
-  data_parallel_state_bytes and data_parallel_bytes_per_step, each part over its own group, stand in. The course's MoE layer has no activation formula (formulas says None), and no TP split
-  (apply_tp splits a dense MLP): a MoE model runs with tp 1.
+The axes beyond 3D (``--cp``, ``--ep``, ``--dp-replicate``; mesh.py lays them out). cp: ring attention over
+the CP group on s/cp tokens of every sequence, ZeRO over the dp × cp ranks ("dp_cp"), all measured (activations:
+per_rank.context_parallel_layer_terms). Hybrid sharding (R > 1, ZeRO-3): hsdp.HybridShardedDataParallel, ZeRO-3
+over a replica's dp/R × cp ranks, the gradients all-reduced over the R replicas, all measured. ep (a MoE preset,
+tp 1: its layer has no TP split): ``expert_parallel.apply_ep`` keeps this rank's E/ep experts and sends tokens by
+all-to-all (measured); the experts average over expert_dp and the rest over dp_cp, which no one wrapper does, so
+the step runs none (Job's data_parallel=False) and state_bytes and sent_bytes.dp are per_rank's, labelled
+computed. A MoE layer has no activation formula (formulas says None).
 
 An exception to the course's rule that ``launch`` makes the one process group: the fake group exists only
 inside :func:`fake_world`, in this process, and is destroyed on the way out; nothing real is ever connected.
@@ -60,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -71,23 +64,23 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .ledger import CONVENTIONS, RECOMPUTE, check_zero_stage
+from .job import Job
+from .ledger import RECOMPUTE
 from .measure import measure_state_bytes
 from .mesh import Mesh, make_comms
 from .model import PRESETS, RMSNorm, build, preset
-from .parallelize import Parallelism, parallelize
+from .parallelize import parallelize
 from .per_rank import (
     activation_bytes_per_rank,
     data_parallel_bytes_per_step,
     data_parallel_state_bytes,
     microbatches_in_flight,
     sent_bytes_per_rank,
+    transient_bytes_per_rank,
 )
 from .pipeline_parallel import StepRecorder, stage_chunks
 from .recompute import RecomputeMeter
 from .runtime.arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @contextlib.contextmanager
@@ -122,130 +115,130 @@ class MetaFlashAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def check_workload(config, mesh: Mesh, *, seq_len: int, micro_batch_size: int, num_microbatches: int,
-                   zero_stage: int, recompute: str, schedule: str, sequence_parallel: bool, dtype,
-                   vocab_parallel: bool = False, num_chunks: int = 1) -> Parallelism:
-    """The errors a real run would raise, before any group is made: parallelize's own checks (the mesh's, the
-    schedule's, the same messages), ZeRO's, and the model's limit on the sequence. Returns parallelize's options."""
-    check_zero_stage(zero_stage)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-    options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
-                          num_chunks=num_chunks,
-                          num_microbatches=num_microbatches, data_parallel=mesh.ep == 1,
-                          activation_checkpointing=None if recompute == "none" else recompute,
-                          vocab_parallel=vocab_parallel)
-    options.check(config, mesh, batch_size=mesh.dp * micro_batch_size * num_microbatches, seq_len=seq_len)
-    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size!r} must be a whole number >= 1")
-    if not 1 <= seq_len <= config.max_seq_len:
-        raise ValueError(f"sequence length {seq_len} must be between 1 and max_seq_len={config.max_seq_len}")
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype={dtype}: one of {', '.join(map(str, DTYPES.values()))}")
-    if config.num_experts and recompute == "full":
+def check_job(job: Job) -> Job:
+    """The errors a real run would raise, before any group is made: the job's own rules (Job.problems, the
+    messages parallelize raises), and what the virtual cluster cannot run. Returns the job."""
+    job.check()
+    if job.config.num_experts and job.recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
                          "formula for its MoE layer to check a rerun's bytes against")
-    return options
+    if job.dtype == "fp64":
+        raise ValueError("dtype='fp64': the virtual cluster runs the dtypes of a GPU run (bf16, fp16, fp32)")
+    return job
 
 
-def run_rank(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1,
-             num_microbatches: int = 1, zero_stage: int = 1, recompute: str = "selective",
-             sequence_parallel: bool = False, schedule: str = "1f1b", dtype=torch.bfloat16,
-             vocab_parallel: bool = False, fused_norm: bool = True, num_chunks: int = 1) -> dict:
-    """One training step of ``rank`` of ``mesh``, virtually: what it holds and what it sends (module docstring).
+def run_rank(job: Job, rank: int) -> dict:
+    """One training step of ``rank`` of ``job.mesh``, virtually: what it holds and what it sends (module docstring).
 
-    Each dp rank takes micro_batch_size × num_microbatches sequences of seq_len tokens (its s/cp of each, when
-    cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it owns),
-    torch's Adam for fp32 weights (8 bytes: :func:`_optimizer`; its 4-byte step per tensor is not in total).
-    Returns a dict that json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)), state_bytes,
-    activation_bytes_peak, activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis,
-    per op: counts; "cp" and "ep" when those degrees are > 1), measured / computed (which numbers are which),
-    formulas (the same numbers from the course's formulas, see :func:`formulas`), seconds.
-    """
+    Each dp rank takes job.micro_batch_size × job.num_microbatches sequences of job.seq_len tokens (its s/cp of
+    each, when cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it
+    owns), torch's Adam for fp32 weights (8 bytes: :func:`_optimizer`; its 4-byte step per tensor is not in total).
+    Returns a dict that json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)),
+    state_bytes, activation_bytes_peak,
+    activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis, per op: counts; "cp" and
+    "ep" when those degrees are > 1), measured / computed, formulas (:func:`formulas`: the same numbers, and
+    ZeRO-3's transient_bytes, which meta tensors cannot show: tests/test_zero.py measures them), seconds."""
     start = time.perf_counter()
-    workload = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                    zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
-                    schedule=schedule, dtype=dtype, vocab_parallel=vocab_parallel, num_chunks=num_chunks)
-    options = check_workload(config, mesh, **workload)
-    workload["fused_norm"] = fused_norm
-    coords = mesh.coords(rank)
+    job = check_job(job.replace(data_parallel=job.mesh.ep == 1))   # ep > 1: no wrapper averages two groups
+    job.stage_of(rank)                  # a rank outside the mesh: the mesh's one-line error, before any group
+    with fake_world(job.mesh.size, rank):
+        step = _run_step(job, rank)
+    result = {**_header(job, rank, step["stage"]), **_measured(step), "formulas": formulas(job, rank)}
+    if step["data_parallel"] is None:   # ep > 1: no data-parallel wrapper ran (module docstring)
+        _use_formulas(result, job, ("state_bytes", "sent_bytes.dp"))
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _run_step(job: Job, rank: int) -> dict:
+    """Build this rank's piece with ``parallelize``, run one step (schedule, gradient reduction, optimizer) under
+    the traces and meters, inside a fake world. Returns what was measured, with the stage and its wrapper."""
+    mesh = job.mesh
     # The batch's token ids stay on the host, as in a GPU run: pipeline_step copies each micro-batch to the
     # model's device (here meta), so each one saves its own ids, not a view of the whole batch's. With cp > 1
     # these are this rank's s/cp tokens of each sequence (all zeros: any slice is the same).
-    tokens = torch.zeros(micro_batch_size * num_microbatches, seq_len // mesh.cp, dtype=torch.long)
+    tokens = torch.zeros(job.micro_batch_size * job.num_microbatches, job.tokens_per_sequence // mesh.cp,
+                         dtype=torch.long)
     axes = ("tp", "pp", "dp") + ("cp",) * (mesh.cp > 1) + ("ep",) * (mesh.ep > 1)
-    with fake_world(mesh.size, rank):
-        comms = make_comms(mesh, rank)
-        model = build(config, device="meta", dtype=dtype)
-        for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
-            norm.fused = fused_norm       # False: F.rms_norm, as the CPU runs it (model.RMSNorm)
-        parallel = parallelize(model, mesh, comms, rank, options, optimizer_kwargs=_optimizer(dtype))
-        stage, data_parallel = parallel.stage, parallel.data_parallel
-        recorder = StepRecorder(stage, measure_memory=True)
-        traced = {**comms, "dp": comms["dp_cp"]}    # gradients are averaged over the dp × cp ranks
-        with contextlib.ExitStack() as traces:
-            logs = {axis: traces.enter_context(traced[axis].trace()) for axis in axes}
-            if mesh.dp_replicate > 1:                # HSDP: ZeRO-3 over the replica, all-reduce over replicas
-                logs["dp"] = traces.enter_context(comms["dp_shard_cp"].trace())
-                replicas = traces.enter_context(comms["dp_replicate"].trace())
-            with MetaFlashAttention(), RecomputeMeter(stage) as rerun:   # one gradient reduction, after the schedule
-                parallel.forward_backward(tokens, tokens, recorder=recorder)
-            if data_parallel:
-                data_parallel.step()
-                state = measure_state_bytes(data_parallel, data_parallel.optimizer)
-                state["total"] -= state["step_counters"]   # torch Adam's step per tensor: not per parameter
-        if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
-            logs["dp"].records.extend(replicas.records)
+    comms = make_comms(mesh, rank)
+    model = build(job.config, device="meta", dtype=job.torch_dtype)
+    for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
+        norm.fused = job.fused_norm       # False: F.rms_norm, as the CPU runs it (model.RMSNorm)
+    parallel = parallelize(model, job, comms, rank, optimizer_kwargs=_optimizer(job))
+    stage, data_parallel = parallel.stage, parallel.data_parallel
+    recorder = StepRecorder(stage, measure_memory=True)
+    traced = {**comms, "dp": comms["dp_cp"]}    # gradients are averaged over the dp × cp ranks
+    state = None
+    with contextlib.ExitStack() as traces:
+        logs = {axis: traces.enter_context(traced[axis].trace()) for axis in axes}
+        if mesh.dp_replicate > 1:                # HSDP: ZeRO-3 over the replica, all-reduce over replicas
+            logs["dp"] = traces.enter_context(comms["dp_shard_cp"].trace())
+            replicas = traces.enter_context(comms["dp_replicate"].trace())
+        with MetaFlashAttention(), RecomputeMeter(stage) as rerun:   # one gradient reduction, after the schedule
+            parallel.forward_backward(tokens, tokens, recorder=recorder)
+        if data_parallel:
+            data_parallel.step()
+            state = measure_state_bytes(data_parallel, data_parallel.optimizer)
+            state["total"] -= state["step_counters"]   # torch Adam's step per tensor: not per parameter
+    if mesh.dp_replicate > 1:                    # the replicas' all-reduce is data-parallel traffic too
+        logs["dp"].records.extend(replicas.records)
+    return {"stage": stage, "data_parallel": data_parallel, "recorder": recorder, "rerun": rerun.peak,
+            "state": state, "logs": logs}
+
+
+def _header(job: Job, rank: int, stage) -> dict:
+    """Who this rank is: its place in the mesh, the layers it holds (each chunk's [first, last + 1))."""
+    coords = job.mesh.coords(rank)
     held = [[i for i, layer in enumerate(chunk.layers) if not isinstance(layer, torch.nn.Identity)]
             for chunk in stage_chunks(stage)]
     layers = [[chunk[0], chunk[-1] + 1] for chunk in held]
+    where = {axis: coords[axis] for axis in ("dp", "tp", "pp")}
+    where.update({axis: coords[axis] for axis in ("cp", "ep", "dp_replicate", "dp_shard") if axis in coords})
+    return {"rank": rank, "world_size": job.mesh.size, "coords": where,
+            "layers": layers[0] if job.num_chunks == 1 else layers}
+
+
+def _measured(step: dict) -> dict:
+    """The numbers one step measured: state, activations over the schedule, bytes sent."""
+    recorder, state = step["recorder"], step["state"]
     # recorder.in_flight: (time, micro-batches held, their saved bytes) after every op (recorder.events', in
     # order): a forward's own bytes are what it added. One micro-batch's are micro-batch 0's, over its chunks.
     after_ops = zip(recorder.events, recorder.in_flight, recorder.in_flight[1:])
     per_microbatch = sum(now[2] - before[2] for event, before, now in after_ops
                          if event.kind == "F" and event.microbatch == 0)
-    result = {
-        "rank": rank, "world_size": mesh.size, "coords": {axis: coords[axis] for axis in ("dp", "tp", "pp")},
-        "layers": layers[0] if num_chunks == 1 else layers,       # v > 1: each chunk's [first, last + 1)
+    return {
         "state_bytes": ({part: state[part] for part in ("weights", "grads", "optimizer", "total")}
-                        if data_parallel else None),
+                        if state is not None else None),
         # the most held at once (at a backward's start), and the largest rerun that backward holds beside it
-        "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight) + rerun.peak,
+        "activation_bytes_peak": max(nbytes for _, _, nbytes in recorder.in_flight) + step["rerun"],
         "activation_bytes_per_microbatch": per_microbatch,
         "microbatches_in_flight": max(count for _, count, _ in recorder.in_flight),
-        "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
-        "ops": {axis: _ops(log) for axis, log in logs.items()},
+        "sent_bytes": {axis: log.wire_bytes for axis, log in step["logs"].items()},
+        "ops": {axis: _ops(log) for axis, log in step["logs"].items()},
         "measured": ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"],
         "computed": [],
-        "formulas": formulas(config, mesh, rank, **workload),
     }
-    result["coords"].update({axis: coords[axis] for axis in ("cp", "ep", "dp_replicate", "dp_shard") if axis in coords})
-    computed_sends = []
-    if data_parallel is None:  # ep > 1: no data-parallel wrapper ran (module docstring)
-        result["state_bytes"] = result["formulas"]["state_bytes"]
-        result["measured"].remove("state_bytes")
-        result["computed"].insert(0, "state_bytes")
-        computed_sends.append("dp")
-    if computed_sends:
-        for axis in computed_sends:
+
+
+def _use_formulas(result: dict, job: Job, names) -> None:
+    """Where no wrapper ran, the formula's number stands in, labelled computed ("sent_bytes.AXIS": one axis)."""
+    for name in names:
+        if name.startswith("sent_bytes."):
+            axis = name.split(".")[1]
             result["sent_bytes"][axis] = result["formulas"]["sent_bytes"][axis]
-            result["computed"].append(f"sent_bytes.{axis}")
-        result["measured"][result["measured"].index("sent_bytes")] = ", ".join(
-            f"sent_bytes.{axis}" for axis in axes if axis not in computed_sends)
-    result["seconds"] = time.perf_counter() - start
-    return result
+            result["measured"][result["measured"].index("sent_bytes")] = ", ".join(
+                f"sent_bytes.{a}" for a in result["sent_bytes"] if a != axis)
+        else:
+            result[name] = result["formulas"][name]
+            result["measured"].remove(name)
+        result["computed"].append(name)
 
 
-def _convention(dtype) -> str:
-    """The state convention a run with weights of ``dtype`` keeps (ledger.CONVENTIONS): "mixed" for 16-bit
-    weights (MixedPrecisionAdam: an fp32 master copy, m and v, 12 bytes per parameter), "fp32" for fp32 weights
-    (torch's own Adam: m and v, 8 bytes, no master copy: the weight is one already)."""
-    return "fp32" if dtype == torch.float32 else "mixed"
-
-
-def _optimizer(dtype) -> dict:
-    """ZeroDataParallel's optimizer for weights of ``dtype`` (:func:`_convention`)."""
-    return {"optimizer_class": torch.optim.Adam} if _convention(dtype) == "fp32" else {}
+def _optimizer(job: Job) -> dict:
+    """ZeroDataParallel's optimizer for ``job``'s state convention: MixedPrecisionAdam (an fp32 master copy, m and
+    v, 12 bytes per parameter) for 16-bit weights, torch's own Adam (m and v, 8 bytes: the weight is its own
+    master) for fp32 weights."""
+    return {"optimizer_class": torch.optim.Adam} if job.state_convention == "fp32" else {}
 
 
 def _ops(log) -> dict[str, int]:
@@ -254,46 +247,30 @@ def _ops(log) -> dict[str, int]:
     return dict(Counter(record.op for record in log.records if record.group_size > 1))
 
 
-def formulas(config, mesh: Mesh, rank: int, *, seq_len: int, micro_batch_size: int = 1, num_microbatches: int = 1,
-             zero_stage: int = 1, recompute: str = "selective", sequence_parallel: bool = False,
-             schedule: str = "1f1b", dtype=torch.bfloat16, vocab_parallel: bool = False,
-             fused_norm: bool = True, num_chunks: int = 1) -> dict:
+def formulas(job: Job, rank: int) -> dict:
     """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
-    beside, all from course_lib.per_rank: data_parallel_state_bytes (e bytes per weight and gradient, 12 of
-    optimizer state, 8 in fp32: :func:`_optimizer`), activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp,
-    ep) and
-    data_parallel_bytes_per_step ("dp", one micro-step per micro-batch; "dp_ops": by op). These count no
-    padding: ZeroDataParallel pads each unit (embedding, each layer, final norm, head) to a multiple of its
-    group, so where the group does not divide a unit the run holds and sends a little more: fewer than dp
-    parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the dp × cp ranks that
-    hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their dp·cp/ep
-    (expert_dp): each part's state and bytes over its own group, added. A mixture of experts' activations have no
-    formula: None. (``num_chunks`` v > 1: the in-flight count is of chunk-micro-batches,
+    beside, all from course_lib.per_rank: data_parallel_state_bytes (the job's state convention: e bytes per
+    weight and gradient, 12 of optimizer state, 8 in fp32), transient_bytes_per_rank, activation_bytes_per_rank,
+    sent_bytes_per_rank (tp, pp, cp, ep) and data_parallel_bytes_per_step ("dp", one micro-step per micro-batch;
+    "dp_ops": by op). These count no padding: ZeroDataParallel pads each unit (embedding, each layer, final norm,
+    head) to a multiple of its group, so where the group does not divide a unit the run holds and sends a little
+    more: fewer than dp parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the
+    dp × cp ranks that hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their
+    dp·cp/ep (expert_dp): each part's state and bytes over its own group, added. A mixture of experts'
+    activations have no formula: None. (``num_chunks`` v > 1: the in-flight count is of chunk-micro-batches,
     per_rank.microbatches_in_flight.)"""
-    stage = mesh.coords(rank)["pp"]
-    e = torch.tensor([], dtype=dtype).element_size()
-    if config.num_experts:
+    stage = job.stage_of(rank)
+    if job.config.num_experts:
         activations = {"peak": None, "per_microbatch": None,
-                       "in_flight": microbatches_in_flight(mesh, stage, num_microbatches, schedule, num_chunks)}
+                       "in_flight": microbatches_in_flight(job.mesh, stage, job.num_microbatches, job.schedule,
+                                                           job.num_chunks)}
     else:
-        activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
-                                                seq_len=seq_len, num_microbatches=num_microbatches,
-                                                schedule=schedule, dtype=dtype, recompute=recompute,
-                                                sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                                                fused_norm=fused_norm, num_chunks=num_chunks)
-    sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * num_microbatches,
-                               seq_len=seq_len, num_microbatches=num_microbatches, bytes_per_element=e,
-                               sequence_parallel=sequence_parallel, zero_stage=zero_stage, num_chunks=num_chunks,
-                               recompute=recompute, vocab_parallel=vocab_parallel)
-    dp_ops = data_parallel_bytes_per_step(config, mesh, stage, zero_stage, grad_bytes=e,
-                                          accumulation_steps=num_microbatches, num_chunks=num_chunks,
-                                          vocab_parallel=vocab_parallel)
-    adam = CONVENTIONS[_convention(dtype)].optimizer_bytes
-    state = data_parallel_state_bytes(config, mesh, stage, zero_stage, weight_bytes=e, grad_bytes=e,
-                                      optimizer_bytes=adam, num_chunks=num_chunks, vocab_parallel=vocab_parallel)
-    return {"state_bytes": state, "activation_bytes_peak": activations["peak"],
+        activations = activation_bytes_per_rank(job, stage)
+    return {"state_bytes": data_parallel_state_bytes(job, stage), "transient_bytes": transient_bytes_per_rank(job, stage),
+            "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
-            "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent, "dp_ops": dp_ops}
+            "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent_bytes_per_rank(job, stage),
+            "dp_ops": data_parallel_bytes_per_step(job, stage)}
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -320,6 +297,7 @@ def format_result(result: dict) -> str:
     lines.append("state, GiB")
     for part in ("weights", "grads", "optimizer", "total"):
         row(part, result["state_bytes"][part], formula["state_bytes"][part], 2**30, how)
+    row("while stepping (ZeRO-3)", None, formula["transient_bytes"], 2**30, "formula (tests/test_zero.py measures)")
     lines.append("activations, GiB")
     row("per micro-batch", result["activation_bytes_per_microbatch"], formula["activation_bytes_per_microbatch"],
         2**30, "measured")
@@ -336,14 +314,40 @@ def format_result(result: dict) -> str:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's line breaks; adds "(default: ...)" where the default is a value (a default of
-    None or a flag's False: the help line says what happens)."""
+    """Keeps the description's line breaks; adds "(default: ...)" where the default is a value, or a switch's."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+        flag = action.default is False and not isinstance(action, argparse.BooleanOptionalAction)
+        return action.help if action.default is None or flag else super()._get_help_string(action)
 
 
-def main(argv=None) -> int:
+# Each on/off field of Job is a --name / --no-name switch (a new field at once); the help lines of the known ones:
+SWITCH_HELP = {
+    "sequence_parallel": "Megatron's sequence parallelism with TP",
+    "vocab_parallel": "split the embedding, head and loss by vocabulary over TP",
+    "reshard_after_forward": "ZeRO-3 frees each unit's gathered weights after its forward (FSDP2's default); "
+                             "--no-reshard-after-forward keeps them until its backward: half the all-gathers",
+    "fused_norm": "count RMSNorm as a fused GPU kernel saves it (--no-fused-norm: as F.rms_norm on the CPU)",
+}
+NOT_SWITCHES = {"data_parallel"}     # set by the virtual cluster itself (run_rank)
+
+
+def _switches() -> list[str]:
+    return [f.name for f in dataclasses.fields(Job) if f.type in ("bool", bool) and f.name not in NOT_SWITCHES]
+
+
+OPTIONS = ("micro_batch_size", "num_microbatches", "zero_stage", "recompute", "schedule", "num_chunks", "dtype")
+
+
+def _add_switches(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    for name in _switches():
+        parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                            default=defaults[name], help=SWITCH_HELP.get(name, f"the job's {name} option"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the model, the mesh, the rank, and the job's options under their own names."""
     parser = argparse.ArgumentParser(prog="python -m course_lib.virtual", formatter_class=_HelpFormatter,
                                      description=__doc__[:__doc__.index("How.")].rstrip())
     parser.add_argument("--preset", default="llama2-70b", choices=sorted(PRESETS),
@@ -358,7 +362,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
     parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
     parser.add_argument("--dp-replicate", type=ranks, default=1,
-                        help="hybrid sharding (HSDP, with --zero 3): dp_replicate replicas of dp / dp_replicate ranks")
+                        help="hybrid sharding (HSDP, with --zero-stage 3): dp_replicate replicas of dp / dp_replicate ranks")
     parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0, help="the rank to run")
     parser.add_argument("--seq-len", type=integer(1),
                         help="tokens per sequence (default: the preset's max_seq_len)")
@@ -366,23 +370,25 @@ def main(argv=None) -> int:
     parser.add_argument("--num-microbatches", type=integer(1, MAX_VIRTUAL_MICROBATCHES), default=1,
                         help=f"micro-batches per step, at most {MAX_VIRTUAL_MICROBATCHES} (each is traced: "
                              "~0.06 s for a 70B stack)")
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
                         help="ZeRO stage over the dp group: 0 (plain DDP), 1, 2, 3")
     parser.add_argument("--recompute", default="selective", choices=RECOMPUTE,
                         help="activation recomputation: none, selective (each attention core), full (each block)")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="Megatron's sequence parallelism with TP (off unless given)")
-    parser.add_argument("--vocab-parallel", action="store_true",
-                        help="split the embedding, head and loss by vocabulary over TP (off unless given)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved", "zb-h1"),
                         help="the pipeline schedule (course_lib.schedules); interleaved needs --num-chunks >= 2")
     parser.add_argument("--num-chunks", type=integer(1), default=1,
                         help="layer chunks per stage, v (--schedule interleaved)")
-    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES),
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                         help="weights and gradients: bf16/fp16 with MixedPrecisionAdam (fp32 master, m, v: "
                              "12 bytes), fp32 with torch's Adam (m, v: 8 bytes)")
+    _add_switches(parser)
     parser.add_argument("--json", action="store_true",
                         help="print run_rank's record as JSON instead of the table (off unless given)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.schedule == "interleaved" and args.num_chunks < 2:
         parser.error(f"--schedule interleaved with --num-chunks {args.num_chunks}: give each stage v >= 2 chunks "
@@ -400,12 +406,9 @@ def main(argv=None) -> int:
             mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_replicate=args.dp_replicate)
             if args.world_size is not None:
                 mesh.check(args.world_size)
-        result = run_rank(config, mesh, args.rank, seq_len=args.seq_len or config.max_seq_len,
-                          micro_batch_size=args.micro_batch_size,
-                          num_microbatches=args.num_microbatches, zero_stage=args.zero, recompute=args.recompute,
-                          sequence_parallel=args.sequence_parallel, schedule=args.schedule,
-                          num_chunks=args.num_chunks,
-                          dtype=DTYPES[args.dtype], vocab_parallel=args.vocab_parallel)
+        options = {name: getattr(args, name) for name in (*OPTIONS, *_switches())}
+        job = Job(config, mesh, seq_len=args.seq_len or config.max_seq_len, **options)
+        result = run_rank(job, args.rank)
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,7 +7,14 @@ gradients (stage 2); then only their weights, borrowing the others' just while a
 what PyTorch's FSDP does). With w, g, o bytes per parameter (mixed-precision Adam: 2, 2, 12), per rank:
 
     stage 0  (w + g + o)·P          stage 2  w·P + (g + o)·P/N
-    stage 1  (w + g)·P + o·P/N      stage 3  (w + g + o)·P/N
+    stage 1  (w + g)·P + o·P/N      stage 3  (w + g + o)·P/N        (either reshard_after_forward)
+
+That is the state at rest, between steps. While a step runs, stage 3 also holds the weights it has gathered
+(transient_weight_bytes, with W_u = w·N·ceil(P_u/N) the bytes of unit u's gathered flat buffer):
+
+    stages 0-2                               0           (their weights are whole already)
+    stage 3                                  max_u W_u   (one unit gathered at a time, never two)
+    stage 3, reshard_after_forward=False     Σ_u W_u     (every unit at the end of forward: the whole model)
 
 Bytes each rank sends per step on a ring (comm.py), Ψ = bytes of all the gradients (= of all the weights):
 
@@ -15,10 +22,17 @@ Bytes each rank sends per step on a ring (comm.py), Ψ = bytes of all the gradie
     stage 1, 2 reduce-scatter the gradients, all-gather the weights   Ψ·(N-1)/N + Ψ·(N-1)/N = 2Ψ·(N-1)/N
     stage 3    all-gather weights for forward, again for backward,
                reduce-scatter the gradients                          3Ψ·(N-1)/N, 1.5 x stage 0
+    stage 3    reshard_after_forward=False: gather for forward only  2Ψ·(N-1)/N, as stage 0
 
 An all-reduce *is* a reduce-scatter followed by an all-gather; stages 1 and 2 do the two halves at different
 moments (gradients before the update, weights after it) and keep only their shard in between: memory saved for
-no extra bytes. Stage 3 throws each layer's weights away after use, so it gathers them twice.
+no extra bytes. Stage 3 throws each layer's weights away after use, so it gathers them twice. Unless told not
+to: ``reshard_after_forward=False`` (torch FSDP2's name, ``fully_shard(..., reshard_after_forward=False)``; FSDP1's
+SHARD_GRAD_OP) keeps each unit's weights gathered from its forward until its backward is done, trading the
+second all-gather for holding the whole model's weights at the end of forward (the table above). Megatron and
+DeepSpeed have no direct switch for it (DeepSpeed's closest: ``stage3_max_reuse_distance``, which keeps a
+gathered parameter that will be used again soon, and ZeRO++'s hpZ, which gathers backward's copy from a
+secondary shard inside the node).
 
 With gradient accumulation over A micro-steps (all but the last inside ``no_sync()``, as with DDP) the stages
 part ways. Stages 0 and 1 keep full gradients, add the micro-steps into them locally and reduce once per
@@ -26,6 +40,7 @@ optimizer step. Stage 2 keeps only its shard of the gradients, so it must reduce
 stage 3 also gathers the weights for every micro-step's forward and backward. Per optimizer step:
 
     stage 0, 1   2Ψ·(N-1)/N          stage 2   (A + 1)·Ψ·(N-1)/N          stage 3   3A·Ψ·(N-1)/N
+    stage 3, reshard_after_forward=False   2A·Ψ·(N-1)/N  (A all-gathers, not 2A; A reduce-scatters)
 
 How it is built. The parameters are grouped into units (default_units: embed, each block, norm, head: the
 modules FSDP would wrap). Each unit's parameters move into one flat buffer of N·S elements, S = ceil(P_u/N),
@@ -36,8 +51,11 @@ finished a unit (post-accumulate-grad hooks), its gradients are all-reduced (sta
 flat gradient buffer that backward wrote into (stage 1), or flattened, reduce-scattered and dropped, so that one
 unit's full gradients exist at a time (stages 2, 3). Stage 3 frees the weight buffer (storage resized to 0)
 except between a unit's forward pre-hook and forward hook, and again from the moment the gradient reaches the
-unit's output in backward until its reduce-scatter. On gloo a reduce-scatter runs as a full all-reduce (it
-sends 2Ψ·(N-1)/N, notebook 02): the traced bytes above are the ring's, what NCCL sends.
+unit's output in backward until its reduce-scatter. With reshard_after_forward=False the forward hook keeps it,
+so it stays from the forward pre-hook to the reduce-scatter (a forward without autograd still frees it, and
+step() frees any unit still gathered: its weights are stale once the shards change). On gloo a reduce-scatter
+runs as a full all-reduce (it sends 2Ψ·(N-1)/N, notebook 02): the traced bytes above are the ring's, what NCCL
+sends.
 
 Per rank this is exactly ledger.zero_state_bytes(padded_num_params(...), stage, N), padded_num_params =
 Σ_u N·ceil(P_u/N): each unit's padding counts. It equals P when N divides every unit (the tiny model on 2, 4
@@ -77,18 +95,57 @@ def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] 
     return sum(-(-sum(p.numel() for p in unit.parameters()) // world_size) * world_size for unit in units)
 
 
-def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulation_steps: int = 1) -> dict[str, float]:
+def check_reshard_after_forward(reshard_after_forward, stage: int, name: str = "stage") -> None:
+    """True or False, and False only at ZeRO stage 3: stages 0-2 keep whole weights, there is nothing to reshard.
+    ``name``: what the caller calls the stage argument (``zero_stage`` for ZeroDataParallel)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
+    if not reshard_after_forward and stage != 3:
+        raise ValueError(f"reshard_after_forward=False with {name}={stage!r}: only ZeRO-3 frees a unit's weights "
+                         "after its forward; stages 0-2 keep whole weights, so it must be True there")
+
+
+def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulation_steps: int = 1,
+                        reshard_after_forward: bool = True) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by op, on a ring of world_size ranks, with ``accumulation_steps``
-    micro-steps per optimizer step (the module docstring's tables)."""
+    micro-steps per optimizer step (the module docstring's tables). ``reshard_after_forward=False`` (stage 3
+    only): each unit is gathered once per micro-step, not twice: all_gather A·Ψ·(N-1)/N, not 2A·Ψ·(N-1)/N."""
     check_zero_stage(stage)
+    check_reshard_after_forward(reshard_after_forward, stage)
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r}: a whole number of micro-steps, at least 1")
     a = accumulation_steps
     share = wire_bytes("reduce_scatter", grad_bytes, world_size)   # one reduce-scatter, or one all-gather
+    gathers = 2 * a if reshard_after_forward else a                # forward and backward, or forward only
     return {0: {"all_reduce": wire_bytes("all_reduce", grad_bytes, world_size)},
             1: {"reduce_scatter": share, "all_gather": share},
             2: {"reduce_scatter": a * share, "all_gather": share},
-            3: {"all_gather": 2 * a * share, "reduce_scatter": a * share}}[stage]
+            3: {"all_gather": gathers * share, "reduce_scatter": a * share}}[stage]
+
+
+def transient_weight_bytes(unit_params: list[int], stage: int, weight_bytes: int, reshard_after_forward: bool = True,
+                           world_size: int = 1) -> int:
+    """Peak bytes of gathered weights one rank holds while a step runs, on top of its weights at rest (its
+    shards, zero_state_bytes' "weights"): what ZeroDataParallel's memory_trace measures, to the byte.
+
+    ``unit_params``: the parameters of each unit (default_units), P_u. A gathered unit is its flat buffer,
+    W_u = weight_bytes · N·ceil(P_u/N) bytes (N = ``world_size``; padding included). The buffer holds all N
+    shards, this rank's too: its own shard is then held twice (the shard is a separate tensor), so nothing is
+    subtracted.
+
+        stages 0-2                             0           whole weights are the state at rest already
+        stage 3                                max_u W_u   a unit is freed after its forward and after its
+                                                           reduce-scatter, before the next unit is gathered:
+                                                           one unit at a time, never two (measured)
+        stage 3, reshard_after_forward=False   Σ_u W_u     each unit stays from its forward to its backward:
+                                                           at the end of forward every unit is gathered
+    """
+    check_zero_stage(stage)
+    check_reshard_after_forward(reshard_after_forward, stage)
+    if stage < 3 or not unit_params:
+        return 0
+    gathered = [weight_bytes * world_size * -(-numel // world_size) for numel in unit_params]
+    return max(gathered) if reshard_after_forward else sum(gathered)
 
 
 def _starts_at(tensor: torch.Tensor, base: torch.Tensor, offset: int) -> bool:
@@ -138,11 +195,11 @@ class _Unit:
 
 
 class ZeroDataParallel(nn.Module):
-    """``module`` trained data-parallel with ZeRO ``stage`` (0 = plain DDP) over ``comm``'s ranks.
+    """``module`` trained data-parallel with ZeRO stage ``zero_stage`` (0 = plain DDP) over ``comm``'s ranks.
 
-        model = ZeroDataParallel(build(config), Comm(), stage=3, lr=1e-3)   # optimizer_class(shards, lr=1e-3)
-        loss_fn(model(inputs), targets).backward()                          # each rank: its slice of the batch
-        model.step()                                                        # update; the next step may start
+        model = ZeroDataParallel(build(config), Comm(), zero_stage=3, lr=1e-3)  # optimizer_class(shards, lr=1e-3)
+        loss_fn(model(inputs), targets).backward()                              # each rank: its slice of the batch
+        model.step()                                                            # update; the next step may start
 
     Gradients are averaged over the ranks during backward; ``step()`` runs the optimizer on this rank's shards
     and (stages 1, 2) all-gathers the updated weights. Gradient accumulation: run all but the last micro-step's
@@ -152,13 +209,21 @@ class ZeroDataParallel(nn.Module):
     shards, which share memory with them in stages 0-2: pass the model and ``model.optimizer`` to
     measure.measure_state_bytes, not ``parameters()`` to an optimizer. Set ``memory_trace = []`` to record, at each
     gather, free and reduce, the weight and gradient bytes this rank holds (counted from storage).
+
+    ``reshard_after_forward`` (torch FSDP2's ``fully_shard(..., reshard_after_forward=...)``), ZeRO-3 only: True
+    frees each unit's weights after its forward and gathers them again for its backward; False keeps them from
+    the forward's gather until the unit's backward is done: one all-gather per unit and micro-step, not two, for
+    holding every unit's weights at the end of forward (transient_weight_bytes). Stages 0-2 require True.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, stage: int, optimizer_class=MixedPrecisionAdam,
-                 units: list[nn.Module] | None = None, **optimizer_kwargs):
+    def __init__(self, module: nn.Module, comm: Comm, zero_stage: int, optimizer_class=MixedPrecisionAdam,
+                 units: list[nn.Module] | None = None, reshard_after_forward: bool = True, **optimizer_kwargs):
+        if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+        check_reshard_after_forward(reshard_after_forward, zero_stage, name="zero_stage")   # before any allocation
         super().__init__()
-        check_zero_stage(stage)
-        self.module, self.comm, self.stage = module, comm, stage
+        self.module, self.comm, self.zero_stage = module, comm, zero_stage
+        self.reshard_after_forward = reshard_after_forward
         units = default_units(module) if units is None else units
         names = {id(m): name for name, m in module.named_modules()}
         owner = {}
@@ -178,30 +243,35 @@ class ZeroDataParallel(nn.Module):
         for unit in self.units:
             comm.broadcast(unit.full, src=0)               # every rank starts from rank 0's weights
             mine = slice(rank * unit.shard_numel, (rank + 1) * unit.shard_numel)
-            if stage == 0:
+            if zero_stage == 0:
                 shard = nn.Parameter(unit.full)            # nothing sharded: the optimizer updates everything
-            elif stage < 3:
+            elif zero_stage < 3:
                 shard = nn.Parameter(unit.full[mine])      # a view: updating it updates this rank's weights
             else:
                 shard = nn.Parameter(unit.full[mine].clone())   # the only lasting copy of this rank's weights
                 unit.free()
-            if stage <= 1:                                 # full gradients kept: backward writes into views
+            if zero_stage <= 1:                            # full gradients kept: backward writes into views
                 unit.flat_grad = torch.zeros_like(unit.full)
                 for param, offset in zip(unit.params, unit.offsets):
                     param.grad = unit.flat_grad[offset:offset + param.numel()].view_as(param)
-                shard.grad = unit.flat_grad if stage == 0 else unit.flat_grad[mine]
+                shard.grad = unit.flat_grad if zero_stage == 0 else unit.flat_grad[mine]
             else:
                 shard.grad = torch.zeros_like(shard)       # the reduced gradients of this rank's shard only
             unit.shard = shard
             shards.append(shard)
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(lambda param, unit=unit: self._gradient_ready(unit))
-            if stage == 3:
+            if zero_stage == 3:
                 unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._gather(unit, "forward"))
                 unit.module.register_forward_hook(lambda module, args, output, unit=unit:
                                                   self._after_forward(unit, output))
         self.shards = nn.ParameterList(shards)
         self.optimizer = optimizer_class(list(self.shards), **optimizer_kwargs)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage, ``zero_stage``: the older name, still read by checkpoint code."""
+        return self.zero_stage
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -228,10 +298,13 @@ class ZeroDataParallel(nn.Module):
 
     def _after_forward(self, unit: _Unit, output):
         if torch.is_grad_enabled():
-            # Backward needs the weights again: gather them when the gradient reaches this unit's output.
+            # Backward needs the weights again: gather them when the gradient reaches this unit's output (a no-op
+            # while they are still gathered: reshard_after_forward=False, until this unit's backward frees them).
             for tensor in output if isinstance(output, (tuple, list)) else [output]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: self._gather(unit, "backward"))
+            if not self.reshard_after_forward:
+                return                                      # keep them: freed after this unit's reduce-scatter
         unit.free()
         self._record("free (forward)", unit)
 
@@ -251,7 +324,7 @@ class ZeroDataParallel(nn.Module):
                                                   zip(unit.params, unit.offsets)):
             raise RuntimeError(f"unit {unit.name}: gradients are no longer views of the flat gradient buffer; "
                                "reset them with model.zero_grad() (or let step() do it), not the module's own")
-        if self.stage <= 1:
+        if self.zero_stage <= 1:
             if self._sync:                                  # no_sync: the next backward adds into flat_grad
                 self._average_full_gradients(unit)
             return
@@ -262,13 +335,13 @@ class ZeroDataParallel(nn.Module):
         reduced = torch.empty_like(shard.grad)
         self.comm.reduce_scatter(reduced, flat)
         shard.grad.add_(reduced.div_(size))                 # micro-steps add up in the shard's gradient
-        if self.stage == 3:
+        if self.zero_stage == 3:
             unit.free()
         self._record("reduce gradients", unit)
 
     def _average_full_gradients(self, unit: _Unit):
         """Stages 0 and 1: all-reduce the unit's flat gradients, or reduce-scatter them into this rank's shard."""
-        if self.stage == 0:
+        if self.zero_stage == 0:
             self.comm.all_reduce(unit.flat_grad)
             unit.flat_grad.div_(self.comm.size)
         else:
@@ -284,7 +357,7 @@ class ZeroDataParallel(nn.Module):
         micro-batches added up; stages 2 and 3 reduced in every backward already, so it does nothing there."""
         if not self._sync:
             raise RuntimeError("finish_gradient_sync() inside no_sync(): call it after the block")
-        if self.stage <= 1:
+        if self.zero_stage <= 1:
             for unit in self.units:
                 if unit.backwards and not unit.reduced:
                     self._average_full_gradients(unit)
@@ -296,7 +369,7 @@ class ZeroDataParallel(nn.Module):
                 when = "in the last backward" if unit.ready else "since the last step()"
                 raise RuntimeError(f"unit {unit.name}: {unit.ready} of its {len(unit.params)} parameters got a "
                                    f"gradient {when}; every parameter must take part in the loss on every rank")
-            if self.stage <= 1 and not unit.reduced:
+            if self.zero_stage <= 1 and not unit.reduced:
                 raise RuntimeError(f"unit {unit.name}: its gradients were never averaged: the last backward before "
                                    "step() must run outside no_sync()")
             unit.backwards, unit.reduced = 0, False
@@ -311,10 +384,15 @@ class ZeroDataParallel(nn.Module):
 
     def regather_weights(self):
         """ZeRO-1/2 keep whole weights: after the shards change (an optimizer step, a checkpoint load) every rank
-        all-gathers them. (ZeRO-3 gathers a unit when it is used.)"""
-        if self.stage in (1, 2):
+        all-gathers them. (ZeRO-3 gathers a unit when it is used; a unit still gathered now, after a forward that
+        had no backward with reshard_after_forward=False, holds the old weights: it is freed.)"""
+        if self.zero_stage in (1, 2):
             for unit in self.units:
                 self.comm.all_gather(unit.full, unit.shard.detach().clone())   # a copy: the input is part of the output
+        elif self.zero_stage == 3:
+            for unit in self.units:
+                if unit.gathered:
+                    unit.free()
 
     def zero_grad(self, set_to_none: bool = True):
         """Nothing to do: step() zeroes the flat gradient buffers (stages 0, 1) that backward adds into, and

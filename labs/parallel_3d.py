@@ -31,6 +31,7 @@ from common import (
     write_record,
 )
 from course_lib import launch
+from course_lib.job import Job
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
@@ -46,14 +47,17 @@ def train_3d_in(rank, world_size, *, dtype, **kwargs):
     return {**result, "max_memory_allocated": peak_memory()}
 
 
-def predicted_sent_bytes(config, mesh: Mesh, stage: int, dtype: str, **shape) -> dict:
+def predicted_sent_bytes(config, mesh: Mesh, stage: int, dtype: str, *, batch_size: int, seq_len: int,
+                         num_microbatches: int) -> dict:
     """per_rank.sent_bytes_per_rank, in fp32; under bf16 autocast TP's forward all-reduces (half of its 4 per layer)
     carry bf16, the output of a row-parallel matmul, while its backward ones, the pipeline's activations and
     gradients (the residual stream) and DP's gradients stay fp32 (tensor_parallel.py's predicted_traffic)."""
-    fp32 = sent_bytes_per_rank(config, mesh, stage, bytes_per_element=4, **shape)
+    job = Job(config, mesh, seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * num_microbatches),
+              num_microbatches=num_microbatches, dtype="fp32")
+    fp32 = sent_bytes_per_rank(job, stage)
     if dtype != "bf16":
         return fp32
-    bf16 = sent_bytes_per_rank(config, mesh, stage, bytes_per_element=2, **shape)
+    bf16 = sent_bytes_per_rank(job.replace(dtype="bf16"), stage)
     return {**fp32, "tp": (fp32["tp"] + bf16["tp"]) / 2}
 
 

@@ -136,3 +136,16 @@ def kill_session(session: int) -> None:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+def costed(config, mesh, *, gpu, **keywords):
+    """cost.step_time of the Job these keywords describe (ZeRO-1 unless they say otherwise; interleaved when
+    num_chunks > 1); the keywords that are the cost model's assumptions (cost.ASSUMPTIONS) go to step_time."""
+    from course_lib.cost import ASSUMPTIONS, step_time
+    from course_lib.job import Job
+
+    assumptions = {key: keywords.pop(key) for key in list(keywords) if key in ASSUMPTIONS}
+    keywords.setdefault("zero_stage", 1)
+    if keywords.get("num_chunks", 1) > 1:
+        keywords.setdefault("schedule", "interleaved")
+    return step_time(Job(config, mesh, gpu=gpu, **keywords), **assumptions)

@@ -8,8 +8,8 @@ run a thing (ep's data-parallel average over two groups) the virtual cluster say
 is held to the others only through per_rank."""
 
 import pytest
-import torch
 
+from course_lib.job import Job
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layers_per_rank, params_per_rank
@@ -20,7 +20,7 @@ from course_lib.virtual import run_rank
 TINY, MOE = preset("tiny"), preset("tiny", num_experts=4)
 SEQ, M = 16, 2
 
-# (name, config, mesh, zero stage, run_rank's other options)
+# (name, config, mesh, zero stage, the Job's other options; recompute: "selective" unless given)
 WORLDS = [
     ("dp2 ddp", TINY, Mesh(dp=2), 0, {}),
     ("dp2 zero1", TINY, Mesh(dp=2), 1, {}),
@@ -52,9 +52,11 @@ WORLDS = [
 @pytest.mark.parametrize("name, config, mesh, zero_stage, options", WORLDS, ids=[w[0] for w in WORLDS])
 def test_virtual_measurement_planner_and_cost_formulas_agree(name, config, mesh, zero_stage, options):
     e = 2                                                        # bf16: the planner's "mixed" convention
+    job = Job(config, mesh, seq_len=SEQ, num_microbatches=M, zero_stage=zero_stage,
+              **{"recompute": "selective", **options})
     for stage in range(mesh.pp):
         rank = mesh.rank_of(pp=stage, dp=mesh.dp - 1, cp=mesh.cp - 1, tp=mesh.tp - 1)
-        run = run_rank(config, mesh, rank, seq_len=SEQ, num_microbatches=M, zero_stage=zero_stage, **options)
+        run = run_rank(job, rank)
         formula = run["formulas"]
         # per_rank: every measured number equals its formula
         assert run["sent_bytes"] == formula["sent_bytes"], name
@@ -66,16 +68,10 @@ def test_virtual_measurement_planner_and_cost_formulas_agree(name, config, mesh,
         # the planner: its state per GPU (mixed convention: 2 + 2 + 12 bytes) and its activation peak
         v = options.get("num_chunks", 1)
         vocab_parallel = options.get("vocab_parallel", False)
-        assert run["state_bytes"] == data_parallel_state_bytes(config, mesh, stage, zero_stage, num_chunks=v,
-                                                               vocab_parallel=vocab_parallel), name
+        assert run["state_bytes"] == data_parallel_state_bytes(job, stage), name
         assert state_per_gpu(config, mesh, zero_stage, "mixed", stage, vocab_parallel, v) == run["state_bytes"], name
         if not config.num_experts:
-            planned = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=1, seq_len=SEQ,
-                                                num_microbatches=M, schedule=options.get("schedule", "1f1b"),
-                                                dtype=torch.bfloat16, num_chunks=v,
-                                                sequence_parallel=options.get("sequence_parallel", False),
-                                                recompute=options.get("recompute", "selective"),
-                                                vocab_parallel=vocab_parallel)
+            planned = activation_bytes_per_rank(job, stage)
             assert run["activation_bytes_peak"] == planned["peak"], name
         # the cost model's TP traffic (what step_time charges per micro-batch), times the micro-batches
         layers = layers_per_rank(config, mesh, stage, v)

@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from conftest import REPO
-from course_lib.cost import step_time
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.plan import plan
@@ -17,6 +16,8 @@ from course_lib.virtual import main as virtual_main
 
 sys.path.insert(0, str(REPO / "labs"))   # the labs import each other by name, as scripts do
 import check_gpu  # noqa: E402
+
+from conftest import costed
 
 
 @pytest.mark.parametrize("parse, text, message", [
@@ -61,7 +62,7 @@ def test_an_output_folder_is_checked_before_the_run(tmp_path):
     (["--world-size", "1000000000"], f"argument --world-size: 1000000000 is above {MAX_VIRTUAL_WORLD}"),
     (["--dp", "1024", "--tp", "1024"], f"dp × tp × pp × cp = 1,048,576 ranks: more than the {MAX_VIRTUAL_WORLD:,}"),
     (["--num-microbatches", "100000"], f"argument --num-microbatches: 100000 is above {MAX_VIRTUAL_MICROBATCHES}"),
-    (["--zero", "4"], "argument --zero: invalid choice: 4"),
+    (["--zero-stage", "4"], "argument --zero-stage: invalid choice: 4"),
 ])
 def test_the_virtual_command_line_refuses_bad_degrees_in_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as stopped:
@@ -101,15 +102,16 @@ def test_a_workload_refuses_bad_input_naming_the_value(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(micro_batch_size=1.5), "micro_batch_size=1.5 must be a whole number >= 1"),
-    (dict(seq_len=100.5), "seq_len=100.5 must be a whole number >= 1"),
-    (dict(bytes_per_element=0), "bytes_per_element=0 must be a finite number > 0"),
-    (dict(num_microbatches=0), "num_microbatches=0 must be a whole number >= 1"),
+    (dict(micro_batch_size=1.5), "micro_batch_size=1.5 must be a whole number from 1 to 1,048,576"),
+    (dict(seq_len=100.5), "seq_len=100.5 must be a whole number from 1 to the model's max_seq_len=4096"),
+    (dict(dtype="fp8"), "dtype='fp8': one of bf16, fp16, fp32, fp64"),
+    (dict(num_microbatches=0), "num_microbatches=0 must be a whole number from 1 to 1,048,576"),
+    (dict(micro_batch_size=10**9), "micro_batch_size=1000000000 must be a whole number from 1 to 1,048,576"),
 ])
 def test_step_time_refuses_bad_input_naming_the_value(kwargs, message):
     shape = {"seq_len": 4096, "micro_batch_size": 1, "num_microbatches": 8, **kwargs}
     with pytest.raises(ValueError) as refused:
-        step_time(LLAMA_7B, Mesh(dp=1, tp=8, pp=1), gpu="A100 80GB", **shape)
+        costed(LLAMA_7B, Mesh(dp=1, tp=8, pp=1), gpu="A100 80GB", **shape)
     assert str(refused.value) == message
 
 

@@ -9,12 +9,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import costed
 from course_lib.cost import (
     flops_per_step,
     forward_terms,
     roofline,
     six_nd,
-    step_time,
 )
 from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu
 from course_lib.mesh import Mesh
@@ -149,7 +149,7 @@ def test_step_time_term_by_term():
     Every number below is worked out from the config, not from cost.py."""
     config, mesh = preset("tiny"), Mesh(dp=2, tp=2, pp=2)
     b, s, m, e = 2, 16, 4, 0.5
-    step = step_time(config, mesh, gpu=TOY_GPU, seq_len=s, micro_batch_size=b, num_microbatches=m,
+    step = costed(config, mesh, gpu=TOY_GPU, seq_len=s, micro_batch_size=b, num_microbatches=m,
                      compute_efficiency=e, gpus_per_node=4, zero_stage=1)
     T = b * s
     layer = 3 * (2 * T * 64 * (8 + 2 * 4) * 8 + 2 * T * 64 * 64      # q, k, v, o
@@ -184,7 +184,7 @@ def test_one_gpu_runs_at_the_assumed_efficiency():
     while computing), MFU the same less recomputation; the optimizer step is the rest of the step."""
     config = preset("llama2-7b")
     for recompute in ("none", "selective", "full"):
-        step = step_time(config, Mesh(), gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=8,
+        step = costed(config, Mesh(), gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=8,
                          recompute=recompute, compute_efficiency=0.5)
         assert step.tp_s == step.pp_s == step.dp_s == step.bubble_s == 0
         assert step.total_s == pytest.approx(step.compute_s + step.optimizer_s, rel=1e-12)
@@ -196,28 +196,28 @@ def test_one_gpu_runs_at_the_assumed_efficiency():
 def test_each_axis_uses_the_link_its_group_spans():
     config = preset("llama2-7b")
     kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=16)
-    inside = step_time(config, Mesh(dp=4, tp=8, pp=4), **kw)
-    across = step_time(config, Mesh(dp=2, tp=16, pp=4), **kw)        # TP over two nodes
+    inside = costed(config, Mesh(dp=4, tp=8, pp=4), **kw)
+    across = costed(config, Mesh(dp=2, tp=16, pp=4), **kw)        # TP over two nodes
     assert inside.links == {"tp": LINKS["NVLink 4"].name, "pp": LINKS["IB NDR 400"].name,
                             "dp": LINKS["IB NDR 400"].name}
     assert across.links["tp"] == LINKS["IB NDR 400"].name
     assert across.tp_s > 5 * inside.tp_s                               # 450 vs 50 GB/s, 4/8 the activation
-    small = step_time(config, Mesh(dp=8), **kw)                        # one node: DP on NVLink
+    small = costed(config, Mesh(dp=8), **kw)                        # one node: DP on NVLink
     assert small.links["dp"] == LINKS["NVLink 4"].name
 
 
 def test_more_micro_batches_shrink_the_bubble_and_overlap_hides_dp():
     config, mesh = preset("llama2-70b"), Mesh(dp=4, tp=8, pp=4)
     kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1)
-    few, many = (step_time(config, mesh, num_microbatches=m, **kw) for m in (4, 64))
+    few, many = (costed(config, mesh, num_microbatches=m, **kw) for m in (4, 64))
     busy = few.compute_s + few.tp_s + few.pp_s
     assert few.bubble_s / busy == pytest.approx(3 / 4) and many.mfu > few.mfu       # (p-1)/m
     # dp_overlap = 1 hides ZeRO-1's reduce-scatter behind the last micro-batch's backward, bucket by bucket; the
     # all-gather of the updated weights follows the optimizer and stays exposed.
-    hidden = step_time(config, mesh, num_microbatches=4, dp_overlap=1.0, **kw)
-    gather = step_time(config, Mesh(dp=4, tp=8, pp=4), num_microbatches=4, **kw).dp_comm_s / 2
+    hidden = costed(config, mesh, num_microbatches=4, dp_overlap=1.0, **kw)
+    gather = costed(config, Mesh(dp=4, tp=8, pp=4), num_microbatches=4, **kw).dp_comm_s / 2
     assert hidden.dp_comm_s == few.dp_comm_s > 0 and hidden.dp_s == pytest.approx(gather, rel=0.01)
-    interleaved = step_time(config, mesh, num_microbatches=4, virtual_stages=4, **kw)
+    interleaved = costed(config, mesh, num_microbatches=4, num_chunks=4, **kw)
     busy = interleaved.compute_s + interleaved.tp_s + interleaved.pp_s
     assert interleaved.bubble_s / busy == pytest.approx(3 / 16)                    # (p-1)/(v·m)
     assert interleaved.pp_s == pytest.approx(4 * few.pp_s)                         # v times the sends
@@ -230,7 +230,7 @@ def test_dp_traffic_is_zero_wire_bytes_per_step(stage):
     micro-batch's forward and again before its backward: 2m all-gathers, m reduce-scatters a step."""
     from course_lib.zero import wire_bytes_per_step
     config, mesh, m = preset("llama2-7b"), Mesh(dp=4), 8
-    step = step_time(config, mesh, gpu=TOY_GPU, seq_len=512, micro_batch_size=1, num_microbatches=m,
+    step = costed(config, mesh, gpu=TOY_GPU, seq_len=512, micro_batch_size=1, num_microbatches=m,
                      zero_stage=stage, gpus_per_node=4)
     params = param_count_formula(config)
     calls = {0: 1, 1: 2, 2: m + 1, 3: 3 * m}[stage]
@@ -243,12 +243,12 @@ def test_overlaps_hide_what_they_can():
     """TP: the backward all-reduces hide behind the weight-gradient GEMMs, up to their time; PP: asynchronous
     sends hide; FSDP: every micro-batch's gathers and reduce-scatters can hide behind its compute."""
     config, kw = preset("llama2-70b"), dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=8)
-    plain = step_time(config, Mesh(tp=8, pp=2), **kw)
-    tp_hidden = step_time(config, Mesh(tp=8, pp=2), tp_overlap=1.0, **kw)
+    plain = costed(config, Mesh(tp=8, pp=2), **kw)
+    tp_hidden = costed(config, Mesh(tp=8, pp=2), tp_overlap=1.0, **kw)
     assert tp_hidden.tp_s == pytest.approx(plain.tp_s / 2, rel=1e-9)     # 2 of 4 all-reduces are backward's
-    assert step_time(config, Mesh(tp=8, pp=2), pp_overlap=1.0, **kw).pp_s == 0 < plain.pp_s
-    fsdp = step_time(config, Mesh(dp=8), zero_stage=3, **kw)
-    overlapped = step_time(config, Mesh(dp=8), zero_stage=3, dp_overlap=1.0, **kw)
+    assert costed(config, Mesh(tp=8, pp=2), pp_overlap=1.0, **kw).pp_s == 0 < plain.pp_s
+    fsdp = costed(config, Mesh(dp=8), zero_stage=3, **kw)
+    overlapped = costed(config, Mesh(dp=8), zero_stage=3, dp_overlap=1.0, **kw)
     assert overlapped.dp_s == pytest.approx(max(0.0, fsdp.dp_comm_s - fsdp.compute_s), abs=1e-12)
 
 
@@ -256,15 +256,15 @@ def test_bad_input_is_refused():
     config, mesh = preset("llama2-7b"), Mesh(dp=2, tp=2, pp=2)
     kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=4)
     with pytest.raises(ValueError, match="recompute='some'"):
-        step_time(config, mesh, recompute="some", **kw)
+        costed(config, mesh, recompute="some", **kw)
     with pytest.raises(ValueError, match="compute_efficiency=0"):
-        step_time(config, mesh, compute_efficiency=0, **kw)
+        costed(config, mesh, compute_efficiency=0, **kw)
     with pytest.raises(ValueError, match="unknown GPU 'H300'"):
-        step_time(config, mesh, **dict(kw, gpu="H300"))
+        costed(config, mesh, **dict(kw, gpu="H300"))
     with pytest.raises(ValueError, match="seq_len=8192"):
-        step_time(config, mesh, **dict(kw, seq_len=8192))
+        costed(config, mesh, **dict(kw, seq_len=8192))
     with pytest.raises(ValueError, match="TP=3"):
-        step_time(config, Mesh(tp=3), **kw)
+        costed(config, Mesh(tp=3), **kw)
 
 
 # ---------------------------------------------------------------------------------------- roofline
@@ -327,7 +327,7 @@ def test_predicted_mfu_rises_with_hidden_size():
     assert hiddens == sorted(hiddens) and (hiddens[0], hiddens[-1]) == (2304, 25600)
     for run in PUBLISHED_RUNS[:10]:
         one_layer = gpt_config(hidden=run.config.hidden, num_layers=8, num_heads=run.config.num_heads)
-        fixed.append(step_time(one_layer, Mesh(tp=8), gpu="A100 80GB", seq_len=2048, micro_batch_size=1,
+        fixed.append(costed(one_layer, Mesh(tp=8), gpu="A100 80GB", seq_len=2048, micro_batch_size=1,
                                num_microbatches=1, attention="unfused").mfu)
     assert fixed == sorted(fixed), fixed
 
@@ -337,7 +337,7 @@ def test_korthikanti_layer_times():
     micro-batch 4) with sequence parallelism and selective recomputation takes 7.2 ms forward and 13.1 ms
     backward, 20.3 ms in all: the model's layer, operations plus its exposed TP traffic, within 10%."""
     config = gpt_config(hidden=6144, num_layers=48, num_heads=64)
-    step = step_time(config, Mesh(tp=8), gpu="A100 80GB", seq_len=2048, micro_batch_size=4, num_microbatches=1,
+    step = costed(config, Mesh(tp=8), gpu="A100 80GB", seq_len=2048, micro_batch_size=4, num_microbatches=1,
                      recompute="selective", sequence_parallel=True, tp_overlap=1.0, attention="unfused")
     head = sum(op.seconds for op in step.operations if op.name in ("final RMSNorm", "head",
                                                                     "loss (softmax cross-entropy)"))
@@ -394,7 +394,7 @@ def test_causal_flash_attention_runs_half_the_square():
 
 def test_the_operations_add_up_to_the_compute_and_mfu_keeps_the_megatron_count():
     config, mesh = preset("llama2-70b"), Mesh(dp=2, tp=8, pp=4)
-    step = step_time(config, mesh, gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=16,
+    step = costed(config, mesh, gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=16,
                      sequence_parallel=True)
     assert sum(op.seconds for op in step.operations) * 16 == pytest.approx(step.compute_s, rel=1e-12)
     assert {op.bound for op in step.operations} == {"compute", "memory"}
@@ -408,6 +408,6 @@ def test_the_operations_add_up_to_the_compute_and_mfu_keeps_the_megatron_count()
 def test_a_tiny_model_is_launch_bound():
     """Hidden 64: every kernel finishes before the next one could be launched. A fixed share of peak would call
     this 60% MFU; the roofline says well under 1%."""
-    step = step_time(preset("tiny"), Mesh(), gpu="A100 80GB", seq_len=64, micro_batch_size=8, num_microbatches=1)
+    step = costed(preset("tiny"), Mesh(), gpu="A100 80GB", seq_len=64, micro_batch_size=8, num_microbatches=1)
     assert all(op.bound == "launch" for op in step.operations)
     assert step.mfu < 0.01

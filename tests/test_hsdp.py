@@ -9,12 +9,13 @@ import torch.distributed as dist
 from course_lib import launch
 from course_lib.comm import wire_bytes
 from course_lib.hsdp import hsdp_wire_bytes_per_step
+from course_lib.job import Job
+from course_lib.ledger import zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.model import preset
-from course_lib.parallelize import Parallelism
 from course_lib.per_rank import (
     data_parallel_bytes_per_step,
-    data_parallel_state_bytes,
+    data_parallel_parts,
     data_parallel_traffic,
     params_per_rank,
 )
@@ -42,7 +43,7 @@ def test_the_hybrid_mesh_splits_dp_into_replicas_of_shards():
     with pytest.raises(ValueError, match=r"world_size 6 != dp_replicate 2 × dp_shard 2 × tp 2 × pp 1 = 8"):
         mesh.check(6)
     with pytest.raises(ValueError, match=r"dp_replicate 2 with zero_stage=1: hybrid sharding is ZeRO-3"):
-        Parallelism(zero_stage=1).check(TINY, Mesh(dp=4, dp_replicate=2))
+        Job(TINY, Mesh(dp=4, dp_replicate=2), zero_stage=1).check()
 
 
 def test_the_groups_match_torchs_2d_device_mesh():
@@ -69,7 +70,7 @@ def test_the_formula_is_zero3_inside_and_an_all_reduce_of_a_shard_across():
     # per group, with the consecutive ranks each spans (what a cost model needs to pick its link)
     mesh = Mesh.hybrid(dp_shard=4, dp_replicate=2, tp=2)                   # a replica: 4 × tp 2 = 8 ranks, a node
     params = params_per_rank(TINY, mesh, 0)
-    inside, across = data_parallel_traffic(TINY, mesh, 0, 3, grad_bytes=2, accumulation_steps=3)
+    inside, across = data_parallel_traffic(Job(TINY, mesh, zero_stage=3, num_microbatches=3, dtype="bf16"), 0)
     assert (inside["group"], inside["size"], inside["span"]) == ("dp_shard_cp", 4, 8)
     assert (across["group"], across["size"], across["span"]) == ("dp_replicate", 2, 16)
     assert {**inside["ops"], **across["ops"]} == hsdp_wire_bytes_per_step(2 * params, 4, 2, accumulation_steps=3)
@@ -91,9 +92,13 @@ def test_hsdp_at_4_ranks_equals_one_process_and_sends_the_formula(reference):
     assert max_parameter_gap(results, state) <= F64
     params = params_per_rank(TINY, mesh, 0)
     predicted = hsdp_wire_bytes_per_step(8 * params, 2, 2, accumulation_steps=M)
-    assert sum(predicted.values()) == sum(data_parallel_bytes_per_step(TINY, mesh, 0, 3, grad_bytes=8,
-                                                                       accumulation_steps=M).values())
-    state_formula = data_parallel_state_bytes(TINY, mesh, 0, 3, weight_bytes=8, grad_bytes=8, optimizer_bytes=16)
+    # A Job's conventions count at most 4-byte (fp32) gradients; HSDP's bytes are linear in them: float64's are
+    # twice fp32's.
+    fp32 = Job(TINY, mesh, zero_stage=3, num_microbatches=M, dtype="fp32")
+    assert sum(predicted.values()) == 2 * sum(data_parallel_bytes_per_step(fp32, 0).values())
+    [(count, group, replicas)] = data_parallel_parts(TINY, mesh, 0)       # float64 state: 8 + 8 + 16 bytes
+    assert (count, group, replicas) == (params, 2, 2)
+    state_formula = zero_state_bytes(count, 3, group, weight_bytes=8, grad_bytes=8, optimizer_bytes=16)
     for r in results:
         inside = {op: t for op, t in predicted.items() if op != "all_reduce"}
         assert r["sent_bytes"]["dp"] == sum(inside.values())                 # traced over the shard group
@@ -116,8 +121,8 @@ def test_torchs_fully_shard_on_a_2d_mesh_gives_the_same_losses_and_shards(refere
 def test_the_virtual_cluster_runs_hsdp_and_equals_the_formulas():
     mesh = Mesh.hybrid(dp_shard=2, dp_replicate=2, tp=2, pp=2)
     for stage in range(mesh.pp):
-        run = run_rank(TINY, mesh, mesh.rank_of(pp=stage, dp_replicate=1, dp_shard=1), seq_len=16,
-                       num_microbatches=2, zero_stage=3, dtype=torch.float32)
+        job = Job(TINY, mesh, seq_len=16, num_microbatches=2, zero_stage=3, dtype="fp32", recompute="selective")
+        run = run_rank(job, mesh.rank_of(pp=stage, dp_replicate=1, dp_shard=1))
         formula = run["formulas"]
         assert run["computed"] == [] and run["state_bytes"] == formula["state_bytes"]
         assert run["sent_bytes"] == formula["sent_bytes"]

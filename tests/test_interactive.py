@@ -3,6 +3,7 @@
 import plotly.graph_objects as go
 import pytest
 
+from conftest import costed
 from course_lib.pipeline_parallel import simulate
 from course_lib.presentation import interactive
 
@@ -38,10 +39,9 @@ def test_memory_stacks_have_a_segment_per_part_with_exact_bytes_on_hover():
 
 
 def test_step_time_breakdown_stacks_each_term_with_its_share_on_hover():
-    from course_lib.cost import step_time
     from course_lib.mesh import Mesh
     from course_lib.model import preset
-    steps = {f"pp {p}": step_time(preset("llama2-70b"), Mesh(dp=8 // p, tp=8, pp=p), gpu="H100 SXM", seq_len=4096,
+    steps = {f"pp {p}": costed(preset("llama2-70b"), Mesh(dp=8 // p, tp=8, pp=p), gpu="H100 SXM", seq_len=4096,
                                   micro_batch_size=1, num_microbatches=8) for p in (1, 8)}
     rows = {label: step.breakdown() for label, step in steps.items()}
     fig = interactive.step_time_breakdown(rows)
@@ -105,11 +105,10 @@ def labels_past_the_axis(fig: go.Figure) -> list[str]:
 
 
 def figures():
-    from course_lib.cost import step_time
     from course_lib.ledger import zero_state_bytes
     from course_lib.mesh import Mesh
     from course_lib.model import preset
-    steps = {f"pp {p}": step_time(preset("llama2-70b"), Mesh(dp=8 // p, tp=8, pp=p), gpu="H100 SXM", seq_len=4096,
+    steps = {f"pp {p}": costed(preset("llama2-70b"), Mesh(dp=8 // p, tp=8, pp=p), gpu="H100 SXM", seq_len=4096,
                                   micro_batch_size=1, num_microbatches=8).breakdown() for p in (1, 2, 8)}
     return {"1f1b": interactive.pipeline_gantt(simulate("1f1b", 4, 8, 0.010, 0.020)),
             "interleaved": interactive.pipeline_gantt(simulate("interleaved", 4, 8, 0.010, 0.020, num_chunks=2)),

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import RankError, launch
+from course_lib.job import Job
 from course_lib.mesh import Mesh, make_comms
 from course_lib.model import count_params, param_count_formula, preset
 from course_lib.per_rank import params_per_rank, sent_bytes_per_rank
@@ -129,8 +130,8 @@ def test_each_rank_holds_exactly_its_share_of_the_state(run_2x2x2):
 def test_bytes_sent_on_each_axis_equal_the_prediction(run_2x2x2):
     config, mesh = preset("tiny"), Mesh(dp=2, tp=2, pp=2)
     for r in run_2x2x2:
-        predicted = sent_bytes_per_rank(config, mesh, r["coords"]["pp"], batch_size=BATCH, seq_len=SEQ,
-                                        num_microbatches=2, bytes_per_element=8)
+        job = Job(config, mesh, seq_len=SEQ, micro_batch_size=BATCH // (mesh.dp * 2), num_microbatches=2, dtype="fp64")
+        predicted = sent_bytes_per_rank(job, r["coords"]["pp"])
         assert r["sent_bytes"] == predicted
         layers = config.num_layers // mesh.pp
         assert r["ops"]["tp"] == {"all_reduce": 4 * layers * 2}   # 2 forward + 2 backward, per layer and micro-batch
@@ -277,8 +278,8 @@ def test_activations_scale_by_one_over_cp_but_for_one_copy():
     from course_lib.per_rank import activation_bytes_per_rank
 
     config, b, s, cp = preset("llama2-7b"), 1, 4096, 4
-    whole, mine = (activation_bytes_per_rank(config, mesh, 0, micro_batch_size=b, seq_len=s, num_microbatches=1,
-                                             recompute="none")["per_microbatch"] for mesh in (Mesh(), Mesh(cp=cp)))
+    whole, mine = (activation_bytes_per_rank(Job(config, mesh, seq_len=s, micro_batch_size=b), 0)["per_microbatch"]
+                   for mesh in (Mesh(), Mesh(cp=cp)))
     o_proj_copies = config.num_layers * b * (s // cp) * config.hidden * 2
     assert mine == (whole - 4) // cp + 4 + o_proj_copies
     assert mine < whole / cp * 1.15
@@ -289,21 +290,21 @@ def test_bytes_sent_gain_cp_and_ep_entries():
     tp 8 (1 of 8 KV heads per rank), Mixtral 8x7B over ep 8 (capacity = all of a rank's tokens: nothing dropped)."""
     big, m, b = preset("llama2-70b"), 4, 2                      # b sequences per micro-batch and dp rank
     mesh = Mesh(dp=2, cp=4, tp=8, pp=4)
-    sent = sent_bytes_per_rank(big, mesh, 1, batch_size=mesh.dp * m * b, seq_len=4096, num_microbatches=m,
-                               bytes_per_element=2)
+    sent = sent_bytes_per_rank(Job(big, mesh, seq_len=4096, micro_batch_size=b, num_microbatches=m), 1)
     block = 2 * b * (big.num_kv_heads // 8) * (4096 // 4) * big.head_dim      # K and V of one rank, values
     per_layer = 2 * 3 * block * 2 + 4 * block * 4              # cp-1 bf16 hops forward and backward; cp of fp32 dK/dV
     assert sent["cp"] == (big.num_layers // 4) * m * per_layer
     assert sent["tp"] == 4 * 20 * m * 2 * 7 / 8 * (b * 1024 * big.hidden * 2)   # activations of s/cp tokens
     assert set(sent) == {"tp", "pp", "dp", "cp"}
     moe, ep = preset("mixtral-8x7b"), Mesh(dp=8, ep=8)
-    sent = sent_bytes_per_rank(moe, ep, 0, batch_size=8 * m, seq_len=4096, num_microbatches=m, bytes_per_element=2)
+    sent = sent_bytes_per_rank(Job(moe, ep, seq_len=4096, micro_batch_size=8 * m // (ep.dp * m), num_microbatches=m,
+                                   data_parallel=False), 0)
     tokens = 1 * 4096
     assert sent["ep"] == 4 * moe.num_layers * m * 7 / 8 * (8 * tokens * moe.hidden * 2)
     experts = moe.num_layers * 1 * 3 * moe.hidden * moe.intermediate             # 8 experts / ep 8 = 1 per layer
     dense = params_per_rank(moe, ep, 0) - experts
     assert sent["dp"] == 2 * 7 / 8 * dense * 2       # the experts: their expert_dp group is this rank alone, 0 bytes
-    assert set(sent_bytes_per_rank(preset("tiny"), Mesh(dp=2), 0, batch_size=2, seq_len=8, num_microbatches=1)) \
+    assert set(sent_bytes_per_rank(Job(preset("tiny"), Mesh(dp=2), seq_len=8), 0)) \
         == {"tp", "pp", "dp"}
 
 

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from course_lib.job import Job
 from course_lib.mesh import Mesh
 from course_lib.model import ModelConfig, preset
 from course_lib.plan import bad_smells, plan
@@ -136,13 +137,11 @@ def test_the_busiest_gpu_of_every_fitting_layout_run_virtually_holds_what_the_pl
         mesh, v = layout.mesh, layout.num_chunks
         # What a rank holds stops growing with m once the schedule is full: 1F1B holds at most p micro-batches,
         # interleaving (v - 1)·p + 2·(p - 1) + 1 chunks of them < 2p·v. So 2p of them show a step of any m.
-        ran = [run_rank(config, mesh, mesh.rank_of(pp=stage), seq_len=seq_len,
-                        micro_batch_size=workload.micro_batch_size,
-                        num_microbatches=min(layout.num_microbatches, 2 * mesh.pp),
-                        zero_stage=layout.zero_stage, recompute=workload.recompute,
-                        sequence_parallel=workload.sequence_parallel, vocab_parallel=workload.vocab_parallel,
-                        schedule="interleaved" if v > 1 else "1f1b", num_chunks=v)
-               for stage in sorted({0, mesh.pp - 1})]
+        job = Job(config, mesh, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
+                  num_microbatches=min(layout.num_microbatches, 2 * mesh.pp), zero_stage=layout.zero_stage,
+                  recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
+                  vocab_parallel=workload.vocab_parallel, schedule="interleaved" if v > 1 else "1f1b", num_chunks=v)
+        ran = [run_rank(job, mesh.rank_of(pp=stage)) for stage in sorted({0, mesh.pp - 1})]
         busiest = max(ran, key=lambda r: r["state_bytes"]["total"] + r["activation_bytes_peak"])
         gathered = gathered_layer_bytes(config, mesh.tp) if layout.zero_stage == 3 else 0
         padding = 16 * mesh.dp * (config.num_layers + 3)   # < dp parameters per unit, 16 bytes each

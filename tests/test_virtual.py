@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from course_lib import launch
 from course_lib.comm import Comm
+from course_lib.job import Job
 from course_lib.ledger import zero_state_bytes
 from course_lib.measure import SavedActivations, measure_state_bytes
 from course_lib.mesh import Mesh
@@ -29,26 +30,30 @@ TINY = preset("tiny")           # 4 layers: over 3 stages, 2 + 1 + 1
 LLAMA_70B = preset("llama2-70b")
 
 
+def job(config, mesh, **options) -> Job:
+    """A Job with ZeRO-1 and selective recomputation (the command line's defaults) unless ``options`` say otherwise."""
+    return Job(config, mesh, **{"zero_stage": 1, "recompute": "selective", **options})
+
+
 def assert_equals_formulas(config, mesh, rank, *, seq_len, micro_batch_size=1, num_microbatches=1, zero_stage=1,
-                           schedule="1f1b", dtype=torch.bfloat16):
+                           schedule="1f1b", dtype="bf16"):
     """Run ``rank`` virtually; every number it measures equals the course's formula for it."""
-    run = run_rank(config, mesh, rank, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                   num_microbatches=num_microbatches, zero_stage=zero_stage, schedule=schedule, dtype=dtype)
-    stage, m, e = mesh.coords(rank)["pp"], num_microbatches, dtype.itemsize
+    described = job(config, mesh, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                    num_microbatches=num_microbatches, zero_stage=zero_stage, schedule=schedule, dtype=dtype)
+    run = run_rank(described, rank)
+    stage, m, e = mesh.coords(rank)["pp"], num_microbatches, described.bytes_per_element
     layers = partition_layers(config.num_layers, mesh.pp)[stage]
     params = params_per_rank(config, mesh, stage)
     assert run["coords"] == {"dp": mesh.coords(rank)["dp"], "tp": mesh.coords(rank)["tp"], "pp": stage}
     assert run["layers"] == [layers.start, layers.stop]
-    adam = 8 if dtype == torch.float32 else 12     # torch's Adam (m, v) or MixedPrecisionAdam (+ an fp32 master)
+    adam = 8 if dtype == "fp32" else 12            # torch's Adam (m, v) or MixedPrecisionAdam (+ an fp32 master)
     state = zero_state_bytes(params, zero_stage, mesh.dp, weight_bytes=e, grad_bytes=e, optimizer_bytes=adam)
     assert run["state_bytes"] == state
-    activations = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=micro_batch_size,
-                                            seq_len=seq_len, num_microbatches=m, schedule=schedule, dtype=dtype)
+    activations = activation_bytes_per_rank(described, stage)
     assert run["microbatches_in_flight"] == (m if schedule == "gpipe" else min(mesh.pp - stage, m))
     assert run["activation_bytes_per_microbatch"] == activations["per_microbatch"]
     assert run["activation_bytes_peak"] == activations["peak"]
-    sent = sent_bytes_per_rank(config, mesh, stage, batch_size=mesh.dp * micro_batch_size * m, seq_len=seq_len,
-                               num_microbatches=m, bytes_per_element=e)
+    sent = sent_bytes_per_rank(described, stage)
     dp_ops = wire_bytes_per_step(params * e, zero_stage, mesh.dp, accumulation_steps=m)
     assert run["sent_bytes"] == {"tp": sent["tp"], "pp": sent["pp"], "dp": sum(dp_ops.values())}
     # Counts: 4 TP all-reduces per layer and micro-batch; one send per micro-batch and direction that has a
@@ -82,7 +87,7 @@ def test_every_zero_stage_and_gpipe_equal_the_formulas(zero_stage):
     mesh = Mesh(dp=2, tp=2, pp=2)
     for stage in range(mesh.pp):
         assert_equals_formulas(TINY, mesh, mesh.rank_of(pp=stage), seq_len=16, num_microbatches=3,
-                               zero_stage=zero_stage, schedule="gpipe", dtype=torch.float32)
+                               zero_stage=zero_stage, schedule="gpipe", dtype="fp32")
 
 
 def test_one_rank_of_a_4096_rank_world():
@@ -96,7 +101,7 @@ def test_padding_is_the_only_gap():
     """dp = 3 divides no unit of the tiny model split over tp = 2: each unit holds up to 2 parameters more."""
     mesh, e = Mesh(dp=3, tp=2, pp=2), 2
     for stage in range(mesh.pp):
-        run = run_rank(TINY, mesh, mesh.rank_of(pp=stage), seq_len=16, num_microbatches=3)
+        run = run_rank(job(TINY, mesh, seq_len=16, num_microbatches=3), mesh.rank_of(pp=stage))
         units = len(partition_layers(TINY.num_layers, mesh.pp)[stage]) + (stage == 0) + 2 * (stage == 1)
         formula = run["formulas"]
         assert run["state_bytes"] != formula["state_bytes"]           # the case really has padding
@@ -115,8 +120,8 @@ def test_recomputation_and_the_split_vocabulary_run_and_equal_the_formulas(seque
     nothing is computed; the peak (most held + the largest rerun), the state and every axis's bytes equal
     per_rank's formulas, the reruns' TP collectives included."""
     mesh, m = Mesh(dp=2, tp=2, pp=2), 2
-    runs = {recompute: run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m, recompute=recompute,
-                                sequence_parallel=sequence_parallel, vocab_parallel=True)
+    runs = {recompute: run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m, recompute=recompute,
+                                    sequence_parallel=sequence_parallel, vocab_parallel=True), 0)
             for recompute in ("none", "selective", "full")}
     for recompute, run in runs.items():
         assert run["computed"] == [], recompute
@@ -129,10 +134,10 @@ def test_recomputation_and_the_split_vocabulary_run_and_equal_the_formulas(seque
         "activation_bytes_peak"]
     assert runs["full"]["sent_bytes"]["tp"] > runs["none"]["sent_bytes"]["tp"]   # a rerun block's collectives
     assert runs["selective"]["sent_bytes"]["tp"] == runs["none"]["sent_bytes"]["tp"]   # the core talks to nobody
-    plain = run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m, sequence_parallel=sequence_parallel)
+    plain = run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m, sequence_parallel=sequence_parallel), 0)
     assert runs["none"]["state_bytes"]["total"] < plain["state_bytes"]["total"]   # V/tp rows of embedding and head
     if sequence_parallel:      # the stages pass s/tp of the sequence
-        assert runs["none"]["sent_bytes"]["pp"] == run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=m)[
+        assert runs["none"]["sent_bytes"]["pp"] == run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m), 0)[
             "sent_bytes"]["pp"] / mesh.tp
 
 
@@ -143,12 +148,13 @@ def test_sequence_parallelism_runs_and_equals_the_formulas(rank_kind):
     mesh, m, e = Mesh(dp=2, tp=2, pp=3), 4, 2
     stage = {"first": 0, "middle": 1, "last": 2}[rank_kind]
     rank = mesh.rank_of(pp=stage, dp=1, tp=1)
-    plain = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m)
-    sp = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m, sequence_parallel=True)
+    plain = run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m), rank)
+    sp_job = job(TINY, mesh, seq_len=16, num_microbatches=m, sequence_parallel=True)
+    sp = run_rank(sp_job, rank)
     layers = len(partition_layers(TINY.num_layers, mesh.pp)[stage])
     formula = sp["formulas"]
     assert sp["activation_bytes_peak"] == formula["activation_bytes_peak"] == activation_bytes_per_rank(
-        TINY, mesh, stage, micro_batch_size=1, seq_len=16, num_microbatches=m, sequence_parallel=True)["peak"]
+        sp_job, stage)["peak"]
     assert sp["activation_bytes_per_microbatch"] == formula["activation_bytes_per_microbatch"]
     assert sp["activation_bytes_peak"] < plain["activation_bytes_peak"]
     assert sp["state_bytes"] == plain["state_bytes"]
@@ -204,7 +210,7 @@ def test_bad_input_gets_the_real_runs_one_line_error(argv, real_check, capsys):
 def test_command_line_prints_one_json_object(capsys):
     import json
     assert main(["--preset", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--rank", "7", "--seq-len", "16",
-                 "--num-microbatches", "2", "--zero", "1", "--dtype", "fp32", "--json"]) == 0
+                 "--num-microbatches", "2", "--zero-stage", "1", "--dtype", "fp32", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["rank"] == 7 and run["coords"] == {"dp": 1, "tp": 1, "pp": 1}
     assert set(run["state_bytes"]) == {"weights", "grads", "optimizer", "total"}
@@ -231,7 +237,7 @@ def _all_backwards_inside_no_sync(rank, world_size):
     results = {}
     for stage in range(4):
         for pipeline_way in (False, True):
-            model = ZeroDataParallel(build(config, dtype=torch.float64), Comm(), stage=stage,
+            model = ZeroDataParallel(build(config, dtype=torch.float64), Comm(), zero_stage=stage,
                                      optimizer_class=torch.optim.SGD, lr=0.1)
             for step in range(2):
                 with model.no_sync():
@@ -263,7 +269,7 @@ def test_a_context_parallel_rank_runs_ring_attention_and_equals_the_formulas(ran
     mesh, m, cp = Mesh(dp=2, cp=2, tp=2, pp=2), 2, 2
     stage = {"first": 0, "last": 1}[rank_kind]
     rank = mesh.rank_of(pp=stage, dp=1, cp=1, tp=1)
-    run = run_rank(TINY, mesh, rank, seq_len=16, num_microbatches=m)
+    run = run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m), rank)
     formula = run["formulas"]
     assert run["coords"] == {"dp": 1, "tp": 1, "pp": stage, "cp": 1}
     assert run["measured"] == ["state_bytes", "activation_bytes_peak", "sent_bytes", "ops"] and run["computed"] == []
@@ -278,13 +284,13 @@ def test_a_context_parallel_rank_runs_ring_attention_and_equals_the_formulas(ran
     block = 2 * 1 * (TINY.num_kv_heads // mesh.tp) * (16 // cp) * TINY.head_dim     # K and V of one rank
     assert run["sent_bytes"]["cp"] == layers * m * ((cp - 1) * block * 2 * 2 + cp * block * 4)
     plain = Mesh(dp=2, tp=2, pp=2)                               # the same rank without cp: twice the tokens
-    whole = run_rank(TINY, plain, plain.rank_of(pp=stage, dp=1, tp=1), seq_len=16, num_microbatches=m)
+    whole = run_rank(job(TINY, plain, seq_len=16, num_microbatches=m), plain.rank_of(pp=stage, dp=1, tp=1))
     assert run["activation_bytes_peak"] < whole["activation_bytes_peak"]
 
 
 def test_a_context_parallel_rank_of_llama2_70b():
     mesh = Mesh(dp=2, cp=4, tp=8, pp=4)
-    run = run_rank(LLAMA_70B, mesh, mesh.rank_of(pp=1, dp=1, cp=2, tp=5), seq_len=4096, num_microbatches=2)
+    run = run_rank(job(LLAMA_70B, mesh, seq_len=4096, num_microbatches=2), mesh.rank_of(pp=1, dp=1, cp=2, tp=5))
     formula = run["formulas"]
     assert run["computed"] == [] and run["state_bytes"] == formula["state_bytes"]
     assert run["activation_bytes_peak"] == formula["activation_bytes_peak"]
@@ -302,7 +308,7 @@ def test_an_expert_parallel_rank_runs_apply_ep_and_labels_what_it_computes(confi
     m = 2
     for stage in range(mesh.pp):
         rank = mesh.rank_of(pp=stage, dp=mesh.dp - 1, cp=mesh.cp - 1)
-        run = run_rank(config, mesh, rank, seq_len=seq_len, num_microbatches=m)
+        run = run_rank(job(config, mesh, seq_len=seq_len, num_microbatches=m), rank)
         formula = run["formulas"]
         layers = len(partition_layers(config.num_layers, mesh.pp)[stage])
         assert run["coords"]["ep"] == mesh.ep - 1
@@ -340,7 +346,7 @@ def test_what_the_virtual_cluster_does_not_run_with_cp_and_ep_is_refused():
         (moe, Mesh(dp=2, ep=2), {"recompute": "full"}, "recompute='full' with a mixture of experts"),
     ]:
         with pytest.raises(ValueError, match=message):
-            run_rank(config, mesh, 0, seq_len=16, **kwargs)
+            run_rank(job(config, mesh, seq_len=16, **kwargs), 0)
     assert not dist.is_initialized()
 
 
@@ -362,8 +368,8 @@ def test_the_norm_as_the_cpu_runs_it_equals_its_formula_too(recompute):
     """fused_norm=False: every RMSNorm runs F.rms_norm (fp32 copies of its input and of x·rstd, as torch runs it on
     the CPU), and the formulas' fused_norm=False predicts it; the fused norm keeps less."""
     mesh = Mesh(dp=2, tp=2, pp=2)
-    runs = {fused: run_rank(TINY, mesh, 0, seq_len=16, num_microbatches=2, recompute=recompute,
-                            sequence_parallel=True, fused_norm=fused) for fused in (True, False)}
+    runs = {fused: run_rank(job(TINY, mesh, seq_len=16, num_microbatches=2, recompute=recompute,
+                                sequence_parallel=True, fused_norm=fused), 0) for fused in (True, False)}
     for run in runs.values():
         assert run["computed"] == [] and run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
     assert runs[True]["activation_bytes_peak"] < runs[False]["activation_bytes_peak"]
@@ -377,16 +383,16 @@ def test_an_interleaved_stage_0_holds_1_plus_p_minus_1_over_pv_of_1f1b(recompute
     schedule; the middle stages, which hold no embedding or head, give the ratio exactly."""
     config, mesh, m = preset("tiny", num_layers=16), Mesh(pp=4), 8
     interleaved = dict(schedule="interleaved", num_chunks=2)
-    runs = [run_rank(config, mesh, stage, seq_len=16, num_microbatches=m, zero_stage=0, recompute=recompute,
-                     **interleaved) for stage in range(4)]
+    described = job(config, mesh, seq_len=16, num_microbatches=m, zero_stage=0, recompute=recompute, **interleaved)
+    runs = [run_rank(described, stage) for stage in range(4)]
     assert [run["microbatches_in_flight"] for run in runs] == [11, 9, 7, 5]
     for stage, run in enumerate(runs):
-        formula = activation_bytes_per_rank(config, mesh, stage, micro_batch_size=1, seq_len=16, num_microbatches=m,
-                                            recompute=recompute, num_chunks=2, schedule="interleaved")
+        formula = activation_bytes_per_rank(described, stage)
         assert run["activation_bytes_peak"] == formula["peak"] == run["formulas"]["activation_bytes_peak"]
         assert run["activation_bytes_per_microbatch"] == formula["per_microbatch"]
     if recompute == "none":                          # (a rerun would add the same layer to both)
         for stage in (1, 2):
-            one_f_one_b = run_rank(config, mesh, stage, seq_len=16, num_microbatches=m, zero_stage=0, recompute="none")
+            one_f_one_b = run_rank(job(config, mesh, seq_len=16, num_microbatches=m, zero_stage=0, recompute="none"),
+                                   stage)
             ratio = runs[stage]["activation_bytes_peak"] / one_f_one_b["activation_bytes_peak"]
             assert ratio == (4 + 2 * (3 - stage) + 1) / 2 / (4 - stage)      # 9/6 and 7/4

@@ -5,8 +5,8 @@ import json
 import re
 
 import pytest
-import torch
 
+from course_lib.job import Job
 from course_lib.ledger import CONVENTIONS, zero_state_bytes
 from course_lib.mesh import Mesh
 from course_lib.model import PRESETS, preset
@@ -16,6 +16,11 @@ from course_lib.virtual import format_result, main, run_rank
 TINY = preset("tiny")
 ARGV = ["--preset", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--rank", "7", "--seq-len", "16",
         "--num-microbatches", "2"]
+
+
+def job(config, mesh, **options) -> Job:
+    """A Job with ZeRO-1 and selective recomputation (the command line's defaults) unless ``options`` say otherwise."""
+    return Job(config, mesh, **{"zero_stage": 1, "recompute": "selective", **options})
 
 
 def test_the_table_shows_the_json_records_numbers_in_gib_and_gb(capsys):
@@ -46,7 +51,7 @@ def test_help_gives_every_flag_a_line_and_its_default_and_lists_the_presets(caps
     assert done.value.code == 0
     text = capsys.readouterr().out
     flags = re.findall(r"^  (--[a-z-]+)(.*(?:\n {6,}.*)*)", text, re.MULTILINE)
-    assert len(flags) == 20, [flag for flag, _ in flags]      # all but -h, --help
+    assert len(flags) == 22, [flag for flag, _ in flags]      # all but -h, --help
     for flag, block in flags:
         words = " ".join(block.split())
         assert "(default: " in words or "(off unless given)" in words, (flag, words)
@@ -57,14 +62,14 @@ def test_help_gives_every_flag_a_line_and_its_default_and_lists_the_presets(caps
 def test_a_preset_alone_runs_at_its_models_sequence_length(capsys):
     assert main(["--preset", "tiny", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    whole = run_rank(TINY, Mesh(), 0, seq_len=TINY.max_seq_len)
+    whole = run_rank(job(TINY, Mesh(), seq_len=TINY.max_seq_len), 0)
     assert record["activation_bytes_per_microbatch"] == whole["activation_bytes_per_microbatch"]
     assert main(["--preset", "tiny"]) == 0
     assert capsys.readouterr().out.startswith("rank 0 of 1 (dp 0, tp 0, pp 0): layers [0, 4)")
 
 
 def test_an_axis_of_one_rank_lists_no_ops():
-    one, two = (run_rank(TINY, Mesh(dp=dp, tp=2), 0, seq_len=16, zero_stage=1) for dp in (1, 2))
+    one, two = (run_rank(job(TINY, Mesh(dp=dp, tp=2), seq_len=16, zero_stage=1), 0) for dp in (1, 2))
     assert one["ops"]["dp"] == {} and one["sent_bytes"]["dp"] == 0 and one["ops"]["pp"] == {}
     assert set(two["ops"]["dp"]) == {"reduce_scatter", "all_gather"} and two["sent_bytes"]["dp"] > 0
     assert one["ops"]["tp"] == two["ops"]["tp"] != {}
@@ -73,7 +78,7 @@ def test_an_axis_of_one_rank_lists_no_ops():
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_fp32_counts_plain_adam_with_no_master_copy(zero_stage):
     mesh = Mesh(dp=2)
-    run = run_rank(TINY, mesh, 0, seq_len=16, zero_stage=zero_stage, dtype=torch.float32)
+    run = run_rank(job(TINY, mesh, seq_len=16, zero_stage=zero_stage, dtype="fp32"), 0)
     fp32 = CONVENTIONS["fp32"]
     expected = zero_state_bytes(params_per_rank(TINY, mesh, 0), zero_stage, 2, weight_bytes=fp32.weight_bytes,
                                 grad_bytes=fp32.grad_bytes, optimizer_bytes=fp32.optimizer_bytes)
@@ -85,8 +90,8 @@ def test_fp32_counts_plain_adam_with_no_master_copy(zero_stage):
 def test_zb_h1_runs_and_holds_each_graph_until_its_w():
     """The last stage of p = 2 runs each micro-batch's B at once under 1F1B (holds 1), but ZB-H1 keeps the graph
     for W, one step later: min(p, m) = 2 micro-batches, measured (pipeline_step's docstring)."""
-    runs = {schedule: run_rank(TINY, Mesh(pp=2), 1, seq_len=16, num_microbatches=4, schedule=schedule,
-                               recompute="none") for schedule in ("1f1b", "zb-h1")}
+    runs = {schedule: run_rank(job(TINY, Mesh(pp=2), seq_len=16, num_microbatches=4, schedule=schedule,
+                                   recompute="none"), 1) for schedule in ("1f1b", "zb-h1")}
     assert runs["1f1b"]["microbatches_in_flight"] == 1 and runs["zb-h1"]["microbatches_in_flight"] == 2
     per_microbatch = runs["1f1b"]["activation_bytes_per_microbatch"]
     assert runs["zb-h1"]["activation_bytes_per_microbatch"] == per_microbatch > 0
@@ -106,7 +111,7 @@ def test_interleaved_needs_chunks_and_runs_with_them(capsys):
 
 
 def test_the_table_marks_what_was_computed_not_measured():
-    run = run_rank(preset("tiny", num_experts=4), Mesh(dp=2, ep=2), 1, seq_len=16)
+    run = run_rank(job(preset("tiny", num_experts=4), Mesh(dp=2, ep=2), seq_len=16), 1)
     assert run["computed"] == ["state_bytes", "sent_bytes.dp"]
     rows = {line.split()[0]: line for line in format_result(run).splitlines() if line.startswith("  ")}
     assert all(rows[part].endswith("computed") for part in ("weights", "grads", "optimizer", "total", "dp"))

@@ -1,6 +1,8 @@
 """course_lib.zero: ZeRO stages 0-3 by hand, checked against one process on the global batch, against torch's
 DistributedDataParallel, ZeroRedundancyOptimizer and FSDP2 fully_shard on the same data, byte for byte against
-the ledger's zero_state_bytes, and against the traced bytes of the ring formula.
+the ledger's zero_state_bytes, and against the traced bytes of the ring formula. ZeRO-3 without resharding after
+forward (reshard_after_forward=False) too: the same weights, one all-gather per unit and micro-step, and the
+gathered weights it holds while a step runs (transient_weight_bytes), measured to the byte.
 
 Tolerances. Every parity check runs in float64, so it holds on any CPU whatever kernels torch picks.
 * One process vs N ranks, SGD: the two compute the same gradients from batches of different shapes (12 rows
@@ -30,7 +32,12 @@ from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
 from course_lib.runs.zero import fully_shard_traffic, train
 from course_lib.train import reference_run
-from course_lib.zero import ZeroDataParallel, default_units, padded_num_params, wire_bytes_per_step
+from course_lib.zero import (
+    ZeroDataParallel,
+    default_units,
+    padded_num_params,
+    wire_bytes_per_step,
+)
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -38,6 +45,8 @@ STEPS = 3
 TINY = preset("tiny")
 P = count_params(TINY)
 NUM_UNITS = len(default_units(build(TINY)))      # embed, 4 layers, norm, head
+UNIT_PARAMS = [sum(p.numel() for p in unit.parameters()) for unit in default_units(build(TINY))]
+UNIT_NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
 
 
 def every_run(rank, world_size):
@@ -204,7 +213,7 @@ def test_stage2_never_holds_all_gradients(setup):
 
 def _uneven_shards(rank, world_size):
     comm = Comm()
-    model = ZeroDataParallel(build(TINY, seed=0), comm, stage=3, optimizer_class=torch.optim.SGD, lr=0.1)
+    model = ZeroDataParallel(build(TINY, seed=0), comm, zero_stage=3, optimizer_class=torch.optim.SGD, lr=0.1)
     data = SyntheticTokens(TINY.vocab_size, 32, seed=0)
     for step in range(2):
         loss_fn(model(data.rank_batch(step, 4 * world_size, rank, world_size)[0]),
@@ -247,43 +256,45 @@ def test_wire_bytes_per_step_formula():
 def test_default_units_of_the_course_model():
     model = build(TINY)
     names = {id(m): name for name, m in model.named_modules()}
-    assert [names[id(m)] for m in default_units(model)] == ["embed", "layers.0", "layers.1", "layers.2",
-                                                           "layers.3", "norm", "head"]
+    assert [names[id(m)] for m in default_units(model)] == UNIT_NAMES
 
 
 def _bad_inputs(rank, world_size, case):
     comm, module = Comm(), build(TINY)
     if case == "stage":
-        ZeroDataParallel(module, comm, stage=4)
+        ZeroDataParallel(module, comm, zero_stage=4)
     elif case == "tied":
-        ZeroDataParallel(build(preset("tiny", tie_embeddings=True)), comm, stage=3)
+        ZeroDataParallel(build(preset("tiny", tie_embeddings=True)), comm, zero_stage=3)
     elif case == "no backward":
-        ZeroDataParallel(module, comm, stage=2).step()
+        ZeroDataParallel(module, comm, zero_stage=2).step()
     elif case == "unit missing":
-        ZeroDataParallel(module, comm, stage=2, units=default_units(module)[1:])
+        ZeroDataParallel(module, comm, zero_stage=2, units=default_units(module)[1:])
     elif case == "grads replaced":
-        model = ZeroDataParallel(module, comm, stage=1)
+        model = ZeroDataParallel(module, comm, zero_stage=1)
         module.zero_grad()                       # nn.Module's: sets the gradient views to None
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         loss_fn(model(inputs), targets).backward()
     elif case == "two backwards":                # stage 1 averaged after the first: a second would add to it
-        model = ZeroDataParallel(module, comm, stage=1)
+        model = ZeroDataParallel(module, comm, zero_stage=1)
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         for _ in range(2):
             loss_fn(model(inputs), targets).backward()
     elif case == "never averaged":
-        model = ZeroDataParallel(module, comm, stage=0)
+        model = ZeroDataParallel(module, comm, zero_stage=0)
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         with model.no_sync():
             loss_fn(model(inputs), targets).backward()
         model.step()
     elif case == "mixed dtypes":
         module.layers[0].attn_norm.weight.data = module.layers[0].attn_norm.weight.data.double()
-        ZeroDataParallel(module, comm, stage=1)
+        ZeroDataParallel(module, comm, zero_stage=1)
+    elif case == "reshard at stage 1":
+        ZeroDataParallel(module, comm, zero_stage=1, reshard_after_forward=False)
 
 
 @pytest.mark.parametrize("case, message", [
-    ("stage", r"stage=4: ZeRO stages are 0 \(plain DDP\), 1, 2, 3"),
+    ("stage", r"zero_stage=4: ZeRO stages are 0 \(plain DDP\), 1, 2, 3"),
+    ("reshard at stage 1", r"reshard_after_forward=False with zero_stage=1: only ZeRO-3 frees .* must be True"),
     ("tied", r"parameter head.weight is also in unit embed: .*tied embeddings"),
     ("no backward", r"unit embed: 0 of its 1 parameters got a gradient"),
     ("unit missing", r"parameters in no unit: \['embed.weight'\]"),
@@ -300,7 +311,7 @@ def test_bad_input_is_named(case, message):
 def test_one_rank_keeps_everything():
     """world_size 1 is allowed (a one-rank group): even stage 3 keeps everything, 16 bytes per parameter."""
     def one_rank(rank, world_size):
-        model = ZeroDataParallel(build(TINY, dtype=torch.bfloat16), Comm(), stage=3)
+        model = ZeroDataParallel(build(TINY, dtype=torch.bfloat16), Comm(), zero_stage=3)
         inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
         loss_fn(model(inputs), targets).backward()
         model.step()

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..clip import clip_zero_
 from ..data import SyntheticTokens, shard
+from ..job import Job
 from ..mesh import Mesh, make_comms
 from ..model import build, preset
-from ..parallelize import Parallelism, parallelize
+from ..parallelize import parallelize
 from ..pipeline_parallel import pipeline_step
 from ..runtime.launch import device
 
@@ -65,8 +66,9 @@ class Trainer:
         self.comms = make_comms(self.mesh, rank)
         model = build(self.config, seed=seed, device=device(), dtype=dtype)
         adam = dict(optimizer_class=functools.partial(torch.optim.Adam, foreach=False), lr=lr)
-        self.parallel = parallelize(model, self.mesh, self.comms, rank,
-                                    Parallelism(zero_stage=layout["zero_stage"], num_microbatches=m), optimizer_kwargs=adam)
+        job = Job(self.config, self.mesh, seq_len=seq_len, micro_batch_size=batch_size // (self.mesh.dp * m),
+                  num_microbatches=m, zero_stage=layout["zero_stage"])
+        self.parallel = parallelize(model, job, self.comms, rank, optimizer_kwargs=adam)
         self.dp = self.parallel.data_parallel          # a ZeroDataParallel: its shards are what a checkpoint holds
         self.data = SyntheticTokens(self.config.vocab_size, seq_len, seed=seed)
         self.seed, self.batch_size, self.num_microbatches, self.next_step = seed, batch_size, m, 0

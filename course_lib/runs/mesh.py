@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from ..context_parallel import shard_sequence
 from ..data import SyntheticTokens, shard
+from ..job import Job
 from ..measure import measure_state_bytes
 from ..mesh import Mesh, make_comms
 from ..model import build, loss_fn, preset
-from ..parallelize import Parallelism, parallelize
+from ..parallelize import parallelize
 from ..runtime.launch import device
 from ..tensor_parallel import dtensor_plan
 
@@ -40,15 +41,15 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
     mesh.check(world_size)
     config = preset("tiny", **overrides)
-    options = Parallelism(zero_stage=zero_stage, sequence_parallel=sequence_parallel, num_chunks=num_chunks,
-                          schedule=schedule, num_microbatches=num_microbatches)
-    options.check(config, mesh, batch_size=batch_size, seq_len=seq_len)
+    mesh.check_model(config, batch_size=batch_size, num_microbatches=num_microbatches, seq_len=seq_len)
+    job = Job(config, mesh, seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * num_microbatches),
+              num_microbatches=num_microbatches, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
+              num_chunks=num_chunks, schedule=schedule).check()
     where = mesh.coords(rank)
     comms = make_comms(mesh, rank)
 
     model = build(config, seed=seed, device=device(), dtype=dtype)   # every rank draws the whole model, keeps its piece
-    parallel = parallelize(model, mesh, comms, rank, options,
-                           optimizer_kwargs={"optimizer_class": torch.optim.Adam, "lr": lr})
+    parallel = parallelize(model, job, comms, rank, optimizer_kwargs={"optimizer_class": torch.optim.Adam, "lr": lr})
     stage, data_parallel = parallel.stage, parallel.data_parallel
     optimizer = parallel.optimizer or torch.optim.Adam(stage.parameters(), lr=lr)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)

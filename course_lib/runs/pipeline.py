@@ -62,14 +62,7 @@ def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedu
     inputs, targets = SyntheticTokens(config.vocab_size, seq_len, seed=seed).batch(0, batch_size)
     split_microbatches(inputs, num_microbatches)   # a clear error before any rank waits for another
     split = splits_backward(schedule_actions(schedule, world_size, num_microbatches, num_chunks=num_chunks))
-    costs = {"F": None, "B": None, "W": None}     # this rank's seconds per op; None: real compute only
-    if layer_ms is not None:
-        costs["F"] = sum(layer_ms[i] for i in parts[rank]) / 1e3
-    elif forward_ms is not None:
-        costs["F"] = (forward_ms[rank] if isinstance(forward_ms, (list, tuple)) else forward_ms) / num_chunks / 1e3
-    if costs["F"] is not None:
-        costs["B"] = costs["F"] * backward_ratio * ((1 - weight_fraction) if split else 1)
-        costs["W"] = costs["F"] * backward_ratio * weight_fraction
+    costs = _op_costs(rank, parts, forward_ms, layer_ms, backward_ratio, weight_fraction, num_chunks, split)
     if not compute:
         stage = _stand_ins(stage, rank, world_size)
     comm = Comm()
@@ -94,6 +87,25 @@ def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedu
         result["grads"] = {name: p.grad.clone() for chunk in stage_chunks(stage)
                            for name, p in chunk.named_parameters()}
     return result
+
+
+
+def _op_costs(rank: int, parts: list, forward_ms, layer_ms, backward_ratio: float, weight_fraction: float,
+              num_chunks: int, split: bool) -> dict:
+    """Rank ``rank``'s seconds per op, {"F", "B", "W"}; None for each when no cost is given (real compute only).
+
+    t_F is the sum of ``layer_ms`` over the rank's layers (``parts[rank]``), or else its ``forward_ms`` / v; then
+    t_B = backward_ratio·t_F·(1 − weight_fraction) and t_W = backward_ratio·t_F·weight_fraction when the
+    schedule ``split``s backward (otherwise B is the whole backward_ratio·t_F)."""
+    costs = {"F": None, "B": None, "W": None}
+    if layer_ms is not None:
+        costs["F"] = sum(layer_ms[i] for i in parts[rank]) / 1e3
+    elif forward_ms is not None:
+        costs["F"] = (forward_ms[rank] if isinstance(forward_ms, (list, tuple)) else forward_ms) / num_chunks / 1e3
+    if costs["F"] is not None:
+        costs["B"] = costs["F"] * backward_ratio * ((1 - weight_fraction) if split else 1)
+        costs["W"] = costs["F"] * backward_ratio * weight_fraction
+    return costs
 
 
 class _StandIn(nn.Module):

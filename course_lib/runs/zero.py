@@ -21,7 +21,7 @@ from ..measure import measure_state_bytes
 from ..mixed_precision import MixedPrecisionAdam
 from ..model import build, loss_fn, preset
 from ..runtime.launch import device
-from ..zero import ZeroDataParallel, default_units
+from ..zero import ZeroDataParallel, check_reshard_after_forward, default_units
 from .ddp import wrap
 
 IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
@@ -29,7 +29,8 @@ IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
 
 def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
           accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
-          dtype=torch.float32, config=None, seed: int = 0, memory_trace: bool = False, progress: bool = False) -> dict:
+          dtype=torch.float32, config=None, seed: int = 0, memory_trace: bool = False, progress: bool = False,
+          reshard_after_forward: bool = True) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
     "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
     "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
@@ -38,6 +39,8 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     ``accumulation_steps``: micro-steps of ``per_rank_batch`` rows per optimizer step (global batch =
     per_rank_batch × world_size × accumulation_steps), all but the last inside ``no_sync()`` (ours, and torch's
     DDP under "ddp" and "zero_redundancy"; FSDP2 reduce-scatters every micro-step, as ZeRO-3 does).
+    ``reshard_after_forward``: stage 3 only (ours, and fully_shard's units): False keeps each unit's gathered
+    weights from its forward to its backward.
 
     Returns lists with one entry per step: "losses" (this rank's), "step_seconds", "comm_seconds" and
     "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
@@ -46,34 +49,12 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     step), "params" (the full weights, flattened), "memory_trace" (ours, last step, if asked).
     ``progress``: a tqdm bar on rank 0.
     """
-
-
     warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's notice on reduce_scatter/all_gather
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
-    optimizers = {"adam": functools.partial(torch.optim.Adam, foreach=False), "sgd": torch.optim.SGD,
-                  "mixed": MixedPrecisionAdam}
-    if optimizer not in optimizers:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(optimizers)}")
-    optimizer_class, comm, dev = optimizers[optimizer], Comm(), device()
+    optimizer_class = _optimizer_class(impl, optimizer)
+    comm, dev = Comm(), device()
     config = config or preset("tiny")
     module = build(config, seed=seed, device=dev, dtype=dtype)
-    if impl == "ours":
-        model = ZeroDataParallel(module, comm, stage, optimizer_class, lr=lr)
-        update = model.optimizer
-    else:
-        model = module
-        if impl == "fully_shard":
-            mesh = init_device_mesh(dev.type, (world_size,))
-            for unit in default_units(module):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(module, mesh=mesh)
-        else:
-            model = wrap(module, "torch", comm)
-        if impl == "zero_redundancy":
-            update = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=optimizer_class, lr=lr)
-        else:
-            update = optimizer_class(module.parameters(), lr=lr)
+    model, update = _parallel_model(impl, module, comm, world_size, stage, optimizer_class, lr, reshard_after_forward)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
            "memory_trace": None}
@@ -81,40 +62,86 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     if progress and rank == 0:
         steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
                            mininterval=1.0)
-    accumulate = model.no_sync if impl in ("ours", "ddp", "zero_redundancy") else contextlib.nullcontext
     for step in steps_range:
         batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
-        if impl != "ours":
-            update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
         if memory_trace and impl == "ours" and step == steps - 1:
             model.memory_trace = []
-        comm.barrier()
-        written, start = bytes_written(), time.perf_counter()
-        with comm.trace() as log:
-            micro_losses = []
-            for i, (inputs, targets) in enumerate(batches):
-                with accumulate() if i < accumulation_steps - 1 else contextlib.nullcontext():
-                    # each micro-step's loss / A, so that the summed gradients are those of the mean loss
-                    micro_loss = loss_fn(model(inputs.to(dev)), targets.to(dev)) / accumulation_steps
-                    micro_loss.backward()
-                micro_losses.append(micro_loss.detach())
-            (model if impl == "ours" else update).step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        run["step_seconds"].append(time.perf_counter() - start)
-        run["bytes_written"].append(None if written is None else bytes_written() - written)
-        run["wire"].append({op: totals.wire_bytes for op, totals in log.summary().items()})
-        run["comm_seconds"].append(sum(record.seconds for record in log.records) if impl == "ours" else None)
-        run["collectives"].append(len(log.records))
-        run["losses"].append(sum(loss.item() for loss in micro_losses))
+        for key, value in _optimizer_step(impl, model, update, comm, batches, accumulation_steps, dev).items():
+            run[key].append(value)
     run["state"] = measure_state_bytes(model, update)
+    run["params"] = _full_weights(impl, model, module)
     if impl == "ours":
-        run["params"], run["memory_trace"] = model.full_parameters().cpu(), model.memory_trace
-    elif impl == "fully_shard":
-        run["params"] = torch.cat([p.full_tensor().reshape(-1) for p in module.parameters()]).cpu()
-    else:
-        run["params"] = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+        run["memory_trace"] = model.memory_trace
     return run
+
+
+def _optimizer_class(impl: str, optimizer: str):
+    """The optimizer class ``train``'s ``optimizer`` names, once ``impl`` and ``optimizer`` are checked."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    optimizers = {"adam": functools.partial(torch.optim.Adam, foreach=False), "sgd": torch.optim.SGD,
+                  "mixed": MixedPrecisionAdam}
+    if optimizer not in optimizers:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(optimizers)}")
+    return optimizers[optimizer]
+
+
+def _parallel_model(impl: str, module, comm: Comm, world_size: int, stage: int, optimizer_class, lr: float,
+                    reshard_after_forward: bool):
+    """(the model to call, what steps it): ZeroDataParallel and its optimizer, or torch's implementation around
+    ``module`` with an optimizer over its parameters (ZeroRedundancyOptimizer's under "zero_redundancy")."""
+    if impl == "ours":
+        model = ZeroDataParallel(module, comm, zero_stage=stage, optimizer_class=optimizer_class,
+                                 reshard_after_forward=reshard_after_forward, lr=lr)
+        return model, model.optimizer
+    check_reshard_after_forward(reshard_after_forward, 3 if impl == "fully_shard" else 0)   # DDP's: stage 0 or 1
+    model = module
+    if impl == "fully_shard":
+        mesh = init_device_mesh(device().type, (world_size,))
+        for unit in default_units(module):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh)
+    else:
+        model = wrap(module, "torch", comm)
+    if impl == "zero_redundancy":
+        return model, ZeroRedundancyOptimizer(module.parameters(), optimizer_class=optimizer_class, lr=lr)
+    return model, optimizer_class(module.parameters(), lr=lr)
+
+
+def _optimizer_step(impl: str, model, update, comm: Comm, batches, accumulation_steps: int, dev) -> dict:
+    """One optimizer step over ``batches``, all micro-steps but the last inside ``no_sync()`` where the
+    implementation has it; traced, timed and counted: this step's entry of each of ``train``'s lists."""
+    ours = impl == "ours"
+    accumulate = model.no_sync if impl in ("ours", "ddp", "zero_redundancy") else contextlib.nullcontext
+    if not ours:
+        update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
+    comm.barrier()
+    written, start = bytes_written(), time.perf_counter()
+    with comm.trace() as log:
+        micro_losses = []
+        for i, (inputs, targets) in enumerate(batches):
+            with accumulate() if i < accumulation_steps - 1 else contextlib.nullcontext():
+                # each micro-step's loss / A, so that the summed gradients are those of the mean loss
+                micro_loss = loss_fn(model(inputs.to(dev)), targets.to(dev)) / accumulation_steps
+                micro_loss.backward()
+            micro_losses.append(micro_loss.detach())
+        (model if ours else update).step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    return {"losses": sum(loss.item() for loss in micro_losses), "step_seconds": seconds,
+            "comm_seconds": sum(record.seconds for record in log.records) if ours else None,
+            "collectives": len(log.records), "wire": {op: totals.wire_bytes for op, totals in log.summary().items()},
+            "bytes_written": None if written is None else bytes_written() - written}
+
+
+def _full_weights(impl: str, model, module) -> torch.Tensor:
+    """Every weight, flattened in module.parameters() order, on the CPU (a collective for ours and fully_shard)."""
+    if impl == "ours":
+        return model.full_parameters().cpu()
+    if impl == "fully_shard":
+        return torch.cat([p.full_tensor().reshape(-1) for p in module.parameters()]).cpu()
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
 
 
 def fully_shard_model(world_size: int, *, dtype=None, seed: int = 0):

@@ -17,8 +17,7 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
     against one process on the global batch, and by counting the all-reduces it issued."""
 
     def trial(rank, world_size):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        model = _seeded_model()
         comm = Comm()
         ddp = BucketedDDP(model, comm, bucket_bytes=256)       # a few buckets
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -43,18 +42,33 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
     results = run_on_ranks(trial, world_size, timeout=2 * common.TIMEOUT_SECONDS)   # a model to build: more slack
     if results is None:
         return False
+    return _judge(results, num_microbatches, world_size)
 
-    def one_process(divide: bool):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        rows = results[0][3]
-        x, y = torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
-        loss = torch.nn.functional.mse_loss(model(x), y) * (1 if divide else num_microbatches)
-        loss.backward()
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
-        return parameters_to_vector(model.parameters()).detach()
 
-    params, count, buckets, _, synced = results[0]
+def _seeded_model() -> torch.nn.Module:
+    """The exercise's small MLP, with the same initial weights on every rank and in the one-process reference."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _one_process(rows, num_microbatches: int, divide: bool) -> torch.Tensor:
+    """The weights after one SGD step of one process on the whole global batch ``rows``.
+
+    With ``divide`` the loss is the mean over all N rows, L = (1/N)·Σᵢ ℓᵢ, the loss that accumulation must
+    reproduce; without it the loss is M·L for M = ``num_microbatches``: what summing M undivided micro-batch
+    means gives."""
+    model = _seeded_model()
+    x, y = torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
+    loss = torch.nn.functional.mse_loss(model(x), y) * (1 if divide else num_microbatches)
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return parameters_to_vector(model.parameters()).detach()
+
+
+def _judge(results, num_microbatches: int, world_size: int) -> bool:
+    """Print what the ranks' ``results`` say about the learner's step (the first mistake found, or ✓) and
+    return whether it passed."""
+    params, count, buckets, rows, synced = results[0]
     if not synced:
         print("✗ no backward ran: call .backward() on each micro-batch's loss")
         return False
@@ -71,11 +85,12 @@ def check_accumulation_step(accumulation_step, world_size: int = 2, num_microbat
         print("✗ the ranks ended with different weights: call ddp.finish_gradient_sync() before optimizer.step()")
         return False
     # 1e-6: the same sums in another order (fp32), on weights of size ~1; a wrong scale is off by ~1e-2
-    if torch.allclose(params, one_process(divide=False), atol=1e-6) and num_microbatches > 1:
+    too_large = _one_process(rows, num_microbatches, divide=False)
+    if torch.allclose(params, too_large, atol=1e-6) and num_microbatches > 1:
         print(f"✗ the gradient is {num_microbatches}x too large: divide each micro-batch's loss by the number of "
               "micro-batches, so that the summed gradients are the gradient of the mean loss")
         return False
-    if not torch.allclose(params, one_process(divide=True), atol=1e-6):
+    if not torch.allclose(params, _one_process(rows, num_microbatches, divide=True), atol=1e-6):
         print("✗ the weights differ from one process training on the whole global batch (did you zero the "
               "gradients once, before the first micro-batch, and step once, after the sync?)")
         return False

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from ...comm import Comm
 from ...expert_parallel import apply_ep
+from ...feed_forward import MoE, capacity
 from ...model import preset
-from ...moe import MoE, capacity
 from .common import run_on_ranks
 
 CONFIG = preset("tiny", num_experts=8, top_k=2)   # 8 SwiGLU experts of hidden 64: 4 per rank on 2, 2 on 4
@@ -107,52 +107,62 @@ def check_expert_exchange(expert_exchange) -> bool:
             layer_gap = (layer(x) - whole(x)).abs().max().item()
         return out, expected, ops, layer_gap
 
-    def explain(summary: str) -> str | None:
-        return "✗ " + summary[summary.index(DIVERGED):] if DIVERGED in summary else None
-
     for world_size in (2, 4):
-        results = run_on_ranks(trial, world_size, explain=explain)
+        results = run_on_ranks(trial, world_size, explain=_explain_divergence)
         if results is None:
             return False
-        mine = num_experts // world_size
         for rank, (out, expected, ops, layer_gap) in enumerate(results):
             where = f"on {world_size} ranks, rank {rank}"
-            names = [op for op, _ in ops]
-            if not ops:
-                print(f"✗ {where}: no traced collective. Rank {rank} holds experts {rank * mine}–"
-                      f"{(rank + 1) * mine - 1} only; the slots for the others must travel to their ranks: "
-                      "comm.all_to_all(output, input)")
-                return False
-            if any(name != "all_to_all" for name in names):
-                print(f"✗ {where}: traced {names}; use comm.all_to_all, once to dispatch and once to combine")
-                return False
-            if len(ops) == 1:
-                print(f"✗ {where}: one all-to-all. After it the outputs sit on the experts' ranks; a second "
-                      "all_to_all (the combine) sends them back to the ranks whose tokens they are")
-                return False
-            if len(ops) > 2:
-                print(f"✗ {where}: {len(ops)} all-to-alls; one to dispatch and one to combine are enough")
-                return False
-            if any(payload != buffer_bytes for _, payload in ops):
-                print(f"✗ {where}: each all-to-all should carry the whole [E, C, d] buffer ({buffer_bytes:,} bytes); "
-                      f"yours carried {[payload for _, payload in ops]}")
-                return False
-            if not isinstance(out, torch.Tensor) or out.shape != expected.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                print(f"✗ {where}: expected a tensor of the buffer's shape {tuple(expected.shape)}, got {got}")
-                return False
-            wrong = [i for i in range(num_experts) if not torch.allclose(out[i], expected[i], rtol=0, atol=ATOL)]
-            if wrong:
-                print(f"✗ {where}: the outputs for experts {wrong} are not those experts' outputs on your slots. "
-                      f"Chunk j of what the dispatch returns comes from rank j and holds its slots for YOUR "
-                      f"experts: view it as [ep, E/ep, C, d], run your expert i on [:, i], and keep that layout "
-                      "for the combine")
-                return False
-            if layer_gap is None or layer_gap > ATOL:
-                print(f"✗ {where}: in the MoE layer your exchange gives outputs off by {layer_gap:.1e} from the "
-                      "whole layer in one process (did it change the buffer it was given?)")
+            mistake = (_collective_mistake(where, rank, num_experts // world_size, ops, buffer_bytes)
+                       or _output_mistake(where, out, expected, layer_gap))
+            if mistake:
+                print(mistake)
                 return False
     print(f"✓ correct: on 2 and 4 ranks, 2 all-to-alls of {buffer_bytes:,} bytes each (dispatch, combine), every "
           f"expert's output equal to one process's, and the EP layer with your exchange equal to the whole layer "
           f"(float64, to {ATOL:g})")
     return True
+
+
+def _explain_divergence(summary: str) -> str | None:
+    """The failure message for ranks whose collectives diverged (CountedComm.returned's words), else None."""
+    return "✗ " + summary[summary.index(DIVERGED):] if DIVERGED in summary else None
+
+
+def _collective_mistake(where: str, rank: int, mine: int, ops: list, buffer_bytes: int) -> str | None:
+    """What is wrong with the collectives one rank traced (``ops``: (op, payload bytes) pairs), or None if they
+    are the two all-to-alls of the whole buffer, E·C·d·8 bytes each. ``mine``: the experts per rank."""
+    names = [op for op, _ in ops]
+    if not ops:
+        return (f"✗ {where}: no traced collective. Rank {rank} holds experts {rank * mine}–"
+                f"{(rank + 1) * mine - 1} only; the slots for the others must travel to their ranks: "
+                "comm.all_to_all(output, input)")
+    if any(name != "all_to_all" for name in names):
+        return f"✗ {where}: traced {names}; use comm.all_to_all, once to dispatch and once to combine"
+    if len(ops) == 1:
+        return (f"✗ {where}: one all-to-all. After it the outputs sit on the experts' ranks; a second "
+                "all_to_all (the combine) sends them back to the ranks whose tokens they are")
+    if len(ops) > 2:
+        return f"✗ {where}: {len(ops)} all-to-alls; one to dispatch and one to combine are enough"
+    if any(payload != buffer_bytes for _, payload in ops):
+        return (f"✗ {where}: each all-to-all should carry the whole [E, C, d] buffer ({buffer_bytes:,} bytes); "
+                f"yours carried {[payload for _, payload in ops]}")
+    return None
+
+
+def _output_mistake(where: str, out, expected: torch.Tensor, layer_gap: float | None) -> str | None:
+    """What is wrong with one rank's output ``out`` (vs. every expert run in one process, ``expected``) and with
+    the EP layer built on the exchange (``layer_gap``: its largest difference from the whole layer), or None."""
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"✗ {where}: expected a tensor of the buffer's shape {tuple(expected.shape)}, got {got}"
+    wrong = [i for i in range(expected.shape[0]) if not torch.allclose(out[i], expected[i], rtol=0, atol=ATOL)]
+    if wrong:
+        return (f"✗ {where}: the outputs for experts {wrong} are not those experts' outputs on your slots. "
+                f"Chunk j of what the dispatch returns comes from rank j and holds its slots for YOUR "
+                f"experts: view it as [ep, E/ep, C, d], run your expert i on [:, i], and keep that layout "
+                "for the combine")
+    if layer_gap is None or layer_gap > ATOL:
+        return (f"✗ {where}: in the MoE layer your exchange gives outputs off by {layer_gap:.1e} from the "
+                "whole layer in one process (did it change the buffer it was given?)")
+    return None

@@ -19,7 +19,7 @@ rank in the course's apply_tp). The hint names the largest.
 
 from ...cost import StepTime, step_time
 from ...hardware import find_gpu
-from ...ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
+from ...ledger import RECOMPUTE, ZERO_STAGES
 from ...mesh import Mesh
 from ...model import preset
 from ...plan import bad_smells
@@ -62,11 +62,8 @@ def judge(answer: dict) -> tuple[Mesh, int, dict[str, int], StepTime]:
                         recompute=answer["recompute"], sequence_parallel=answer["sequence_parallel"])
     m = workload.num_microbatches(mesh.dp)
     memory = memory_per_gpu(CONFIG, mesh, answer["zero_stage"], workload, gpu_bytes=find_gpu(GPU).memory_bytes)
-    mixed = CONVENTIONS["mixed"]
-    time = step_time(CONFIG, mesh, gpu=GPU, seq_len=SEQ_LEN, micro_batch_size=answer["micro_batch_size"],
-                     num_microbatches=m, recompute=answer["recompute"], zero_stage=answer["zero_stage"],
-                     sequence_parallel=answer["sequence_parallel"], dp_overlap=DP_OVERLAP, gpus_per_node=GPUS_PER_NODE,
-                     bytes_per_element=mixed.weight_bytes, grad_bytes=mixed.grad_bytes)
+    job = workload.job(CONFIG, mesh, answer["zero_stage"], gpu=GPU, gpus_per_node=GPUS_PER_NODE)
+    time = step_time(job, dp_overlap=DP_OVERLAP)
     return mesh, m, memory, time
 
 

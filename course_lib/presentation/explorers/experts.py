@@ -13,8 +13,8 @@ import ipywidgets as widgets
 import torch
 
 from ...expert_parallel import all_to_all_bytes
+from ...feed_forward import MoE, Routing
 from ...model import preset
-from ...moe import MoE, Routing
 from .. import plots
 from ._panel import ExplorerPanel, format_bytes, plural
 
@@ -50,13 +50,7 @@ def moe_explorer(top_k=2, capacity_factor=1.25, ep=4, skew=0.5):
     torch.manual_seed(0)
     moe = MoE(config, capacity_factor=capacity_factor)
     tokens = {}                       # skew → its tokens, made once
-    controls = {
-        "top_k": widgets.ToggleButtons(options=list(TOP_KS), value=top_k, description="top-k"),
-        "capacity_factor": widgets.SelectionSlider(options=list(CAPACITY_FACTORS), value=capacity_factor,
-                                                   description="capacity factor"),
-        "ep": widgets.ToggleButtons(options=list(EP_RANKS), value=ep, description="EP ranks"),
-        "skew": widgets.SelectionSlider(options=list(SKEWS), value=skew, description="tokens alike"),
-    }
+    controls = _moe_controls(top_k, capacity_factor, ep, skew)
     panel = ExplorerPanel([widgets.HBox([widgets.VBox([controls["top_k"], controls["ep"]]),
                                          widgets.VBox([controls["capacity_factor"], controls["skew"]])])],
                           controls, "the tokens each expert and each EP rank receives, and the ones dropped, for a "
@@ -77,24 +71,44 @@ def moe_explorer(top_k=2, capacity_factor=1.25, ep=4, skew=0.5):
         panel.routing = routing = Routing.total(panel.rank_routings)
         panel.aux_loss = moe.aux_loss.item()
         panel.wire_bytes = all_to_all_bytes(per_rank_tokens, config.hidden, NUM_EXPERTS, k, factor, ranks)
-        slots = panel.rank_routings[0].capacity
-        busiest = max(r.imbalance for r in panel.rank_routings)
         assignments = NUM_TOKENS * k
         panel.draw(plots.expert_load(routing, title=f"top-{k}, capacity factor {factor:g}, tokens alike {alike:g}: "
                                                     f"{routing.dropped:,} of {assignments:,} assignments dropped"))
-        per_rank = routing.tokens_per_rank
-        print(f"{NUM_TOKENS} tokens in the EP group, {per_rank_tokens} on each of its {plural(ranks, 'rank')}; top-{k} "
-              f"of {NUM_EXPERTS} experts: C = ceil({factor:g} × {per_rank_tokens} × {k} / {NUM_EXPERTS}) = {slots} "
-              f"slots per expert for each rank's tokens, {routing.capacity} per expert over the group")
-        print(f"dropped {routing.dropped:,} of {assignments:,} assignments ({routing.dropped / assignments:.1%}); "
-              f"on the busiest rank the busiest expert is asked for {busiest:.2f}× its even share (a capacity "
-              f"factor of {busiest:.2f} or more drops nothing)")
-        print(f"load-balancing loss {panel.aux_loss:.3f} (1.0 = even)", end="")
-        if ranks == 1:
-            print("; one rank holds every expert: no all-to-all")
-        else:
-            print(f"; on {plural(ranks, 'EP rank')} the busiest computes {max(per_rank) * ranks / sum(per_rank):.2f}× "
-                  f"the mean, and each all-to-all sends {format_bytes(panel.wire_bytes)} per rank, fixed by C")
+        _print_moe_summary(panel, k, factor, ranks)
 
     panel.redraw_on_change(show)
     return panel
+
+
+def _moe_controls(top_k, capacity_factor, ep, skew) -> dict:
+    """The explorer's four controls, by the name of the argument each one sets, starting at its value."""
+    return {
+        "top_k": widgets.ToggleButtons(options=list(TOP_KS), value=top_k, description="top-k"),
+        "capacity_factor": widgets.SelectionSlider(options=list(CAPACITY_FACTORS), value=capacity_factor,
+                                                   description="capacity factor"),
+        "ep": widgets.ToggleButtons(options=list(EP_RANKS), value=ep, description="EP ranks"),
+        "skew": widgets.SelectionSlider(options=list(SKEWS), value=skew, description="tokens alike"),
+    }
+
+
+def _print_moe_summary(panel, k: int, factor: float, ranks: int) -> None:
+    """Print what the panel's latest routing shows: the capacity C = ceil(factor × (256/ep) × k / E), the drops,
+    the busiest expert's share, the load-balancing loss and the all-to-all's bytes per rank."""
+    routing, per_rank_tokens = panel.routing, NUM_TOKENS // ranks
+    slots = panel.rank_routings[0].capacity
+    busiest = max(r.imbalance for r in panel.rank_routings)
+    assignments = NUM_TOKENS * k
+    per_rank = routing.tokens_per_rank
+    print(f"{NUM_TOKENS} tokens in the EP group, {per_rank_tokens} on each of its {plural(ranks, 'rank')}; top-{k} "
+          f"of {NUM_EXPERTS} experts: C = ceil({factor:g} × {per_rank_tokens} × {k} / {NUM_EXPERTS}) = {slots} "
+          f"slots per expert for each rank's tokens, {routing.capacity} per expert over the group")
+    print(f"dropped {routing.dropped:,} of {assignments:,} assignments ({routing.dropped / assignments:.1%}); "
+          f"on the busiest rank the busiest expert is asked for {busiest:.2f}× its even share (a capacity "
+          f"factor of {busiest:.2f} or more drops nothing)")
+    print(f"load-balancing loss {panel.aux_loss:.3f} (1.0 = even)", end="")
+    if ranks == 1:
+        print("; one rank holds every expert: no all-to-all")
+    else:
+        print(f"; on {plural(ranks, 'EP rank')} the busiest computes {max(per_rank) * ranks / sum(per_rank):.2f}× "
+              f"the mean, and each all-to-all sends {format_bytes(panel.wire_bytes)} per rank, fixed by C")
+

@@ -196,17 +196,7 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
     when plan refused the request); ``panel.rows``: bar → {part: bytes}, as drawn."""
     # Not the tiny model: 4,096-token sequences and a share of a data-centre GPU's peak mean nothing at hidden 64
     configs = {name: config for name, config in _explorer_configs().items() if name != "tiny"}
-    controls = {
-        "model": widgets.Dropdown(options=list(configs), value=model, description="model"),
-        "gpus": widgets.SelectionSlider(options=list(PLAN_GPUS), value=num_gpus, description="GPUs"),
-        "gpu": widgets.Dropdown(options=[(f"{name}, {card.memory_bytes // GiB} GiB", name)
-                                         for name, card in hardware.GPUS.items()], value=gpu, description="GPU"),
-        "per_node": widgets.ToggleButtons(options=[4, 8], value=gpus_per_node, description="GPUs per node"),
-        "sequence_parallel": widgets.ToggleButtons(options=[("off", False), ("on", True)], value=sequence_parallel,
-                                                   description="sequence parallel"),
-        "recompute": widgets.ToggleButtons(options=["none", "selective", "full"], value=recompute,
-                                           description="recompute"),
-    }
+    controls = _plan_controls(list(configs), model, num_gpus, gpu, gpus_per_node, sequence_parallel, recompute)
     panel = ExplorerPanel([widgets.HBox([widgets.VBox([controls[k] for k in ("model", "gpu", "gpus", "per_node")]),
                                          widgets.VBox([controls[k] for k in ("sequence_parallel", "recompute")])])],
                           controls, "the layout (data, tensor and pipeline parallel, ZeRO stage) a planner chooses "
@@ -224,37 +214,64 @@ def plan_explorer(model="Llama-2-70B", num_gpus=32, gpu="A100 80GB", gpus_per_no
             print(err)
             return
         chosen_plan, capacity = panel.plan, card.memory_bytes
-        if chosen_plan.source is None:           # not even the state fits: show why, rung by rung
-            panel.rows = {f"{stage_name(s)} over {n} (state only)": state_per_gpu(config, Mesh(dp=n), s)
-                          for s in range(4)}
-            panel.rows = {k: {p: v[p] for p in ("weights", "grads", "optimizer")} for k, v in panel.rows.items()}
-        else:
-            mesh, stage = chosen_plan.source
-            memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=capacity)
-            panel.rows = {f"questions 1-3: {_layout_text(mesh, stage)}": _memory_parts(config, mesh, stage, memory)}
-            for i, c in enumerate(chosen_plan.candidates):   # fastest first: the chosen one is the first
-                mark = "▶ " if chosen_plan.fits and i == 0 else ""
-                label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage, c.num_chunks)}"
-                panel.rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory, c.num_chunks)
+        panel.rows = _plan_rows(config, chosen_plan, n, workload, capacity)
         sp = ", sequence parallel" if workload.sequence_parallel else ""
         recomputation = "no recomputation" if workload.recompute == "none" else f"{workload.recompute} recomputation"
         panel.draw(plots.memory_bars(panel.rows, capacity_bytes=capacity, capacity_label=chosen["gpu"],
                                      title=f"{chosen['model']} on {plural(n, 'GPU')}: the busiest GPU "
                                            f"(sequences of 4,096 tokens, {recomputation}{sp})"))
-        print(chosen_plan)
-        if chosen_plan.candidates:
-            print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>4}")
-            for c in chosen_plan.candidates:
-                print(f"{c.recipe:17} {_layout_text(c.mesh, c.zero_stage, c.num_chunks) + f', m = {c.num_microbatches}':30} "
-                      f"{format_bytes(c.memory['total']):>12}  {'yes' if c.fits else 'no':4} "
-                      f"{c.time.tokens_per_s:>10,.0f} {c.time.mfu:>4.0%}")
-        if chosen_plan.fits:
-            for smell in bad_smells(chosen_plan.mesh, gpus_per_node=per_node, zero_stage=chosen_plan.zero_stage,
-                                    num_microbatches=chosen_plan.num_microbatches, config=config,
-                                    gpu_bytes=capacity):
-                print("bad smell:", smell)
-        print(f"(reserve: {RESERVE_SHARE:.0%} of the card for what no formula counts; {card.name}: "
-              f"{format_bytes(capacity)}, 1 GiB = 2**30 bytes)")
+        _print_plan(chosen_plan, config, per_node, card)
 
     panel.redraw_on_change(show)
     return panel
+
+
+def _plan_controls(model_names: list, model, num_gpus, gpu, gpus_per_node, sequence_parallel, recompute) -> dict:
+    """The plan explorer's controls, by name, starting at the explorer's arguments."""
+    return {
+        "model": widgets.Dropdown(options=model_names, value=model, description="model"),
+        "gpus": widgets.SelectionSlider(options=list(PLAN_GPUS), value=num_gpus, description="GPUs"),
+        "gpu": widgets.Dropdown(options=[(f"{name}, {card.memory_bytes // GiB} GiB", name)
+                                         for name, card in hardware.GPUS.items()], value=gpu, description="GPU"),
+        "per_node": widgets.ToggleButtons(options=[4, 8], value=gpus_per_node, description="GPUs per node"),
+        "sequence_parallel": widgets.ToggleButtons(options=[("off", False), ("on", True)], value=sequence_parallel,
+                                                   description="sequence parallel"),
+        "recompute": widgets.ToggleButtons(options=["none", "selective", "full"], value=recompute,
+                                           description="recompute"),
+    }
+
+
+def _plan_rows(config, chosen_plan, n: int, workload, capacity: int) -> dict:
+    """The memory bars for ``chosen_plan`` on ``n`` GPUs of ``capacity`` bytes: label → {part: bytes}. The three
+    questions' layout, then each recipe's best layout; or, when not even the state fits, the ZeRO ladder (state
+    only: weights, grads and optimizer)."""
+    if chosen_plan.source is None:           # not even the state fits: show why, rung by rung
+        ladder = {f"{stage_name(s)} over {n} (state only)": state_per_gpu(config, Mesh(dp=n), s) for s in range(4)}
+        return {k: {p: v[p] for p in ("weights", "grads", "optimizer")} for k, v in ladder.items()}
+    mesh, stage = chosen_plan.source
+    memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=capacity)
+    rows = {f"questions 1-3: {_layout_text(mesh, stage)}": _memory_parts(config, mesh, stage, memory)}
+    for i, c in enumerate(chosen_plan.candidates):   # fastest first: the chosen one is the first
+        mark = "▶ " if chosen_plan.fits and i == 0 else ""
+        label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage, c.num_chunks)}"
+        rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory, c.num_chunks)
+    return rows
+
+
+def _print_plan(chosen_plan, config, per_node: int, card) -> None:
+    """Print the plan, its recipes' table (best layout, busiest GPU, fits, tokens/s, MFU), the bad smells of the
+    chosen layout and the reserve the planner keeps."""
+    print(chosen_plan)
+    if chosen_plan.candidates:
+        print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>4}")
+        for c in chosen_plan.candidates:
+            print(f"{c.recipe:17} {_layout_text(c.mesh, c.zero_stage, c.num_chunks) + f', m = {c.num_microbatches}':30} "
+                  f"{format_bytes(c.memory['total']):>12}  {'yes' if c.fits else 'no':4} "
+                  f"{c.time.tokens_per_s:>10,.0f} {c.time.mfu:>4.0%}")
+    if chosen_plan.fits:
+        for smell in bad_smells(chosen_plan.mesh, gpus_per_node=per_node, zero_stage=chosen_plan.zero_stage,
+                                num_microbatches=chosen_plan.num_microbatches, config=config,
+                                gpu_bytes=card.memory_bytes):
+            print("bad smell:", smell)
+    print(f"(reserve: {RESERVE_SHARE:.0%} of the card for what no formula counts; {card.name}: "
+          f"{format_bytes(card.memory_bytes)}, 1 GiB = 2**30 bytes)")

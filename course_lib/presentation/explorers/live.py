@@ -182,33 +182,13 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
     ``panel.stop_ranks()`` stops them. A setting the schedule refuses is named, not drawn."""
     weights = build(preset("tiny", num_layers=PIPELINE_LAYERS), seed=0).state_dict()   # built once, not per rank
     groups, runs = {}, {}
-    controls = {
-        "stages": widgets.IntSlider(value=num_stages, min=2, max=4, description="stages p"),
-        "microbatches": widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=num_microbatches,
-                                                description="micro-batches m"),
-        "schedule": widgets.ToggleButtons(options=["gpipe", "1f1b", "interleaved", "zb-h1"], value=schedule,
-                                          description="schedule"),
-        "cost": widgets.SelectionSlider(options=[1.0, 1.5, 2.0, 3.0], value=last_stage_cost,
-                                        description="last stage ×"),
-        "chunks": widgets.ToggleButtons(options=[2, 4], value=num_chunks, description="chunks v"),
-        "weight": widgets.ToggleButtons(options=[("¼ of backward", 0.25), ("½ of backward", 0.5)],
-                                        value=weight_fraction, description="T_W"),
-    }
+    controls = _pipeline_controls(num_stages, num_microbatches, schedule, last_stage_cost, num_chunks,
+                                  weight_fraction)
     panel = ExplorerPanel([widgets.HBox([widgets.VBox([controls["stages"], controls["microbatches"], controls["cost"]]),
                                          widgets.VBox([controls["schedule"], controls["chunks"], controls["weight"]])])],
                           controls, "a real pipeline step's Gantt chart and bubble, for the stages, micro-batches, "
                                     "schedule (GPipe, 1F1B, interleaved, ZB-H1) and last-stage cost you choose, "
                                     "beside the formula's bubble")
-
-    def formula(name, p, m, v, w) -> str:
-        if name == "interleaved":
-            return f"{bubble_fraction(p, m, v):6.1%}   (p-1)/(v·m+p-1) = {p - 1}/{v * m + p - 1}"
-        if name == "zb-h1":
-            if m < p:
-                return "   —     (p-1)(T_F+T_B-T_W)/… assumes m >= p"
-            return (f"{zero_bubble_fraction(p, m, 1.0, 1 - w, w):6.1%}   (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W) "
-                    f"+ (p-1)(T_F+T_B-T_W)), T_B = {1 - w:g}·T_F, T_W = {w:g}·T_F")
-        return f"{bubble_fraction(p, m):6.1%}   (p-1)/(m+p-1) = {p - 1}/{m + p - 1}"
 
     def show(chosen):
         p, m, name, factor = chosen["stages"], chosen["microbatches"], chosen["schedule"], chosen["cost"]
@@ -242,13 +222,50 @@ def pipeline_explorer(num_stages=4, num_microbatches=8, schedule="1f1b", last_st
         timeline = runs[key]
         shape = f"p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
         panel.draw(plots.pipeline_gantt(timeline, title=f"{name}, {shape}: measured bubble {timeline.bubble:.1%}"))
-        print(f"measured bubble {timeline.bubble:6.1%}   (mean idle fraction over the {p} ranks)")
-        print(f"simulated       {predicted.bubble:6.1%}   (these op costs, instant hand-offs)")
-        print(f"formula         {formula(name, p, m, v, w)}"
-              + ("" if factor == 1 else ": it assumes equal stages, and these are not"))
-        unit = " (chunk micro-batches: each 1/v of a stage's activations)" if v > 1 else ""
-        print(f"peak micro-batches in flight per stage{unit}:", [timeline.peak_in_flight(r) for r in range(p)])
+        _print_bubbles(timeline, predicted, name, p, m, v, w, factor)
 
     panel.redraw_on_change(show)
     panel.runs, panel.stop_ranks = runs, _stopper(groups)
     return panel
+
+
+def _pipeline_controls(num_stages, num_microbatches, schedule, last_stage_cost, num_chunks, weight_fraction) -> dict:
+    """The pipeline explorer's controls, by name, starting at the explorer's arguments."""
+    return {
+        "stages": widgets.IntSlider(value=num_stages, min=2, max=4, description="stages p"),
+        "microbatches": widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=num_microbatches,
+                                                description="micro-batches m"),
+        "schedule": widgets.ToggleButtons(options=["gpipe", "1f1b", "interleaved", "zb-h1"], value=schedule,
+                                          description="schedule"),
+        "cost": widgets.SelectionSlider(options=[1.0, 1.5, 2.0, 3.0], value=last_stage_cost,
+                                        description="last stage ×"),
+        "chunks": widgets.ToggleButtons(options=[2, 4], value=num_chunks, description="chunks v"),
+        "weight": widgets.ToggleButtons(options=[("¼ of backward", 0.25), ("½ of backward", 0.5)],
+                                        value=weight_fraction, description="T_W"),
+    }
+
+
+def _bubble_formula(name: str, p: int, m: int, v: int, w: float) -> str:
+    """The bubble the formula gives for schedule ``name`` (p stages, m micro-batches, v chunks, T_W = w·T_F), and
+    the formula itself: (p-1)/(m+p-1), interleaved's (p-1)/(v·m+p-1), or ZB-H1's
+    (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)), which holds for m >= p only."""
+    if name == "interleaved":
+        return f"{bubble_fraction(p, m, v):6.1%}   (p-1)/(v·m+p-1) = {p - 1}/{v * m + p - 1}"
+    if name == "zb-h1":
+        if m < p:
+            return "   —     (p-1)(T_F+T_B-T_W)/… assumes m >= p"
+        return (f"{zero_bubble_fraction(p, m, 1.0, 1 - w, w):6.1%}   (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W) "
+                f"+ (p-1)(T_F+T_B-T_W)), T_B = {1 - w:g}·T_F, T_W = {w:g}·T_F")
+    return f"{bubble_fraction(p, m):6.1%}   (p-1)/(m+p-1) = {p - 1}/{m + p - 1}"
+
+
+def _print_bubbles(timeline: Timeline, predicted: Timeline, name: str, p: int, m: int, v: int, w: float,
+                   factor: float) -> None:
+    """Print the measured bubble beside the simulated one and the formula's, and each stage's peak micro-batches
+    in flight (``factor``: the last stage's cost, in ops of the others)."""
+    print(f"measured bubble {timeline.bubble:6.1%}   (mean idle fraction over the {p} ranks)")
+    print(f"simulated       {predicted.bubble:6.1%}   (these op costs, instant hand-offs)")
+    print(f"formula         {_bubble_formula(name, p, m, v, w)}"
+          + ("" if factor == 1 else ": it assumes equal stages, and these are not"))
+    unit = " (chunk micro-batches: each 1/v of a stage's activations)" if v > 1 else ""
+    print(f"peak micro-batches in flight per stage{unit}:", [timeline.peak_in_flight(r) for r in range(p)])

@@ -26,6 +26,24 @@ def expert_load(routing, *, title: str | None = None):
     num_experts, experts_per_rank = len(requested), len(requested) // routing.ep
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 4.0),
                                       gridspec_kw={"width_ratios": [max(num_experts, 4), max(ep, 2) + 1]})
+    even = sum(requested) / num_experts
+    _draw_expert_panel(left, requested, kept, capacity, experts_per_rank, even)
+    slots = experts_per_rank * capacity        # rows each rank computes: C per expert, empty slots included
+    _draw_rank_panel(right, routing.tokens_per_rank, slots, experts_per_rank)
+    for ax in (left, right):
+        ax.tick_params(axis="y", labelsize=7)
+    legend_rows = _add_legend(fig, routing, slots, even)
+    fig.suptitle(title or f"{sum(requested):,} assignments to {num_experts} experts of {capacity:,} slots: "
+                          f"{routing.dropped:,} dropped", fontsize=10, x=0.02, ha="left")
+    settle(fig, left, right, tight_layout_rect=(0, (0.25 + 0.2 * legend_rows) / fig.get_figheight(), 1, 1))
+    return fig
+
+
+def _draw_expert_panel(left, requested: list, kept: list, capacity: int, experts_per_rank: int, even: float) -> None:
+    """The left panel: a bar per expert of the assignments it was asked for, kept (its rank's colour) under
+    dropped (red); the capacity C dashed (or said in words when it is far above every bar), the even share
+    T·k/E dotted."""
+    num_experts = len(requested)
     for i in range(num_experts):
         left.bar(i, kept[i], color=_rank_color(i // experts_per_rank), width=0.7)
         if requested[i] > kept[i]:
@@ -33,7 +51,6 @@ def expert_load(routing, *, title: str | None = None):
         left.annotate(f"{requested[i]:,}", (i, requested[i]), xytext=(0, 2), textcoords="offset points",
                       ha="center", fontsize=7, bbox=LABEL_BOX, zorder=4)   # over the lines, not crossed by them
     busiest = max(max(requested), 1)
-    even = sum(requested) / num_experts
     left.axhline(even, ls=":", color="0.35", lw=1.2)
     if capacity <= OFF_THE_TOP * busiest:
         left.axhline(capacity, ls="--", color="black", lw=1)
@@ -48,7 +65,11 @@ def expert_load(routing, *, title: str | None = None):
     left.set_ylabel("assignments (token, expert)", fontsize=8)
     left.set_title(f"{plural(num_experts, 'expert')}, {sum(requested):,} assignments", fontsize=9)
 
-    per_rank, slots = routing.tokens_per_rank, experts_per_rank * capacity
+
+def _draw_rank_panel(right, per_rank: list, slots: int, experts_per_rank: int) -> None:
+    """The right panel: a bar per EP rank of the assignments its experts compute, and dashed the ``slots`` =
+    (E/ep)·C rows they compute anyway."""
+    ep = len(per_rank)
     for r, tokens in enumerate(per_rank):
         right.bar(r, tokens, color=_rank_color(r), width=0.6)
         right.annotate(f"{tokens:,}", (r, tokens), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7,
@@ -58,9 +79,12 @@ def expert_load(routing, *, title: str | None = None):
     right.set_xticks(range(ep), [f"rank {r}" for r in range(ep)], fontsize=7)
     right.set_ylabel("assignments its experts compute", fontsize=8)
     right.set_title(f"{plural(ep, 'EP rank')}, {plural(experts_per_rank, 'expert')} each", fontsize=9)
-    for ax in (left, right):
-        ax.tick_params(axis="y", labelsize=7)
 
+
+def _add_legend(fig, routing, slots: int, even: float) -> int:
+    """Name every rank's colour, the dropped part, the slots and the even share under both panels; make the
+    figure taller to hold it, and return the rows of legend it made room for."""
+    ep, capacity = routing.ep, routing.capacity
     # every rank named (up to 8, as many as the colours), in rows of four under both panels, inside the figure
     handles = [Rectangle((0, 0), 1, 1, color=_rank_color(r)) for r in range(ep)]
     names = [f"kept, on rank {r}" for r in range(ep)]
@@ -74,10 +98,7 @@ def expert_load(routing, *, title: str | None = None):
     legend_rows = -(-len(names) // columns) + 1          # the long line labels may take a row of their own
     fig.set_figheight(fig.get_figheight() + 0.2 * legend_rows)
     fig.legend(handles, names, fontsize=7, loc="lower center", ncol=columns, frameon=False)
-    fig.suptitle(title or f"{sum(requested):,} assignments to {num_experts} experts of {capacity:,} slots: "
-                          f"{routing.dropped:,} dropped", fontsize=10, x=0.02, ha="left")
-    settle(fig, left, right, tight_layout_rect=(0, (0.25 + 0.2 * legend_rows) / fig.get_figheight(), 1, 1))
-    return fig
+    return legend_rows
 
 
 def _rank_color(rank: int) -> str:
