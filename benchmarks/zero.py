@@ -65,7 +65,7 @@ def every_run(rank, world_size, *, config, rounds, steps, per_rank_batch, seq_le
     results = {run: {"seconds": []} for run in RUNS}
     for _ in range(rounds):
         for impl, stage in RUNS:
-            out = train(rank, world_size, impl=impl, stage=stage, steps=steps, per_rank_batch=per_rank_batch,
+            out = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, per_rank_batch=per_rank_batch,
                         seq_len=seq_len, lr=1e-3, config=config)
             result = results[impl, stage]
             result["seconds"] += out["step_seconds"][1:]            # the first step is warm-up
@@ -74,7 +74,7 @@ def every_run(rank, world_size, *, config, rounds, steps, per_rank_batch, seq_le
             result["bytes_written"] = out["bytes_written"][-1]
             result["peak"] = out["state"]["weights"]
     for stage in range(4):                      # one more run each, recording memory (not timed)
-        out = train(rank, world_size, stage=stage, steps=2, per_rank_batch=per_rank_batch, seq_len=seq_len,
+        out = train(rank, world_size, zero_stage=stage, steps=2, per_rank_batch=per_rank_batch, seq_len=seq_len,
                     lr=1e-3, config=config, memory_trace=True)
         results["ours", stage]["peak"] = max(event["weights"] for event in out["memory_trace"])
     results["fully_shard", 3]["peak"] = fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len)

@@ -174,7 +174,7 @@ def shard_pieces(data_parallel, mesh, rank: int, flats: dict[str, list[torch.Ten
     """{kind: {name: ShardPieces}} for the parameters of ``data_parallel`` (a zero.ZeroDataParallel over the dp
     group, any stage, wrapping this rank's TP/PP piece): ``flats[kind][u]`` is unit u's flat shard tensor of that
     kind (weights, an Adam moment, the gradient: all flat alike). A parameter the shard holds none of is left out."""
-    coords, stage = mesh.coords(rank), data_parallel.stage
+    coords, stage = mesh.coords(rank), data_parallel.zero_stage
     placement = tp_placement(data_parallel.module)
     pieces = {kind: {} for kind in flats}
     for u, unit in enumerate(data_parallel.units):

@@ -140,28 +140,28 @@ def _count(name: str, value, minimum: int = 0) -> int:
     return int(value)
 
 
-def check_zero_stage(stage) -> None:
-    if stage not in ZERO_STAGES or isinstance(stage, bool):
-        raise ValueError(f"stage={stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
+def check_zero_stage(zero_stage) -> None:
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage={zero_stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
 
 
-def zero_state_bytes(num_params, stage: int, world_size: int, weight_bytes: int = 2, grad_bytes: int = 2,
+def zero_state_bytes(num_params, zero_stage: int, world_size: int, weight_bytes: int = 2, grad_bytes: int = 2,
                      optimizer_bytes: int = 12) -> dict[str, int]:
     """Bytes of training state on one rank: {"weights", "grads", "optimizer", "total"}.
 
-    stage 0 is plain data parallelism (every rank holds everything); stages 1, 2, 3 shard the optimizer
+    ZeRO stage 0 is plain data parallelism (every rank holds everything); stages 1, 2, 3 shard the optimizer
     state, then also the gradients, then also the weights over `world_size` ranks. A sharded part holds
     ceil(num_params / world_size) parameters: the largest shard, and every shard when world_size divides
     num_params. Defaults are mixed-precision Adam (2 + 2 + 12); CONVENTIONS lists others.
     """
     num_params = _count("num_params", num_params)
-    check_zero_stage(stage)
+    check_zero_stage(zero_stage)
     world_size = _count("world_size", world_size, minimum=1)
     per_param = {"weights": _count("weight_bytes", weight_bytes), "grads": _count("grad_bytes", grad_bytes),
                  "optimizer": _count("optimizer_bytes", optimizer_bytes)}
     shard = -(-num_params // world_size)             # ceil division, exact for any size of integer
     # Stage k shards the last k parts of the list below: optimizer first, weights last.
-    sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "weights": stage >= 3}
+    sharded = {"optimizer": zero_stage >= 1, "grads": zero_stage >= 2, "weights": zero_stage >= 3}
     state = {part: per_param[part] * (shard if sharded[part] else num_params) for part in per_param}
     state["total"] = sum(state.values())
     return state

@@ -57,7 +57,7 @@ step() frees any unit still gathered: its weights are stale once the shards chan
 runs as a full all-reduce (it sends 2Ψ·(N-1)/N, notebook 02): the traced bytes above are the ring's, what NCCL
 sends.
 
-Per rank this is exactly ledger.zero_state_bytes(padded_num_params(...), stage, N), padded_num_params =
+Per rank this is exactly ledger.zero_state_bytes(padded_num_params(...), zero_stage, N), padded_num_params =
 Σ_u N·ceil(P_u/N): each unit's padding counts. It equals P when N divides every unit (the tiny model on 2, 4
 or 8 ranks); otherwise it exceeds P by fewer than N·(number of units) parameters.
 """
@@ -95,23 +95,22 @@ def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] 
     return sum(-(-sum(p.numel() for p in unit.parameters()) // world_size) * world_size for unit in units)
 
 
-def check_reshard_after_forward(reshard_after_forward, stage: int, name: str = "stage") -> None:
-    """True or False, and False only at ZeRO stage 3: stages 0-2 keep whole weights, there is nothing to reshard.
-    ``name``: what the caller calls the stage argument (``zero_stage`` for ZeroDataParallel)."""
+def check_reshard_after_forward(reshard_after_forward, zero_stage: int) -> None:
+    """True or False, and False only at ZeRO stage 3: stages 0-2 keep whole weights, there is nothing to reshard."""
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
-    if not reshard_after_forward and stage != 3:
-        raise ValueError(f"reshard_after_forward=False with {name}={stage!r}: only ZeRO-3 frees a unit's weights "
+    if not reshard_after_forward and zero_stage != 3:
+        raise ValueError(f"reshard_after_forward=False with zero_stage={zero_stage!r}: only ZeRO-3 frees a unit's weights "
                          "after its forward; stages 0-2 keep whole weights, so it must be True there")
 
 
-def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulation_steps: int = 1,
+def wire_bytes_per_step(grad_bytes: int, zero_stage: int, world_size: int, accumulation_steps: int = 1,
                         reshard_after_forward: bool = True) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by op, on a ring of world_size ranks, with ``accumulation_steps``
     micro-steps per optimizer step (the module docstring's tables). ``reshard_after_forward=False`` (stage 3
     only): each unit is gathered once per micro-step, not twice: all_gather A·Ψ·(N-1)/N, not 2A·Ψ·(N-1)/N."""
-    check_zero_stage(stage)
-    check_reshard_after_forward(reshard_after_forward, stage)
+    check_zero_stage(zero_stage)
+    check_reshard_after_forward(reshard_after_forward, zero_stage)
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r}: a whole number of micro-steps, at least 1")
     a = accumulation_steps
@@ -120,10 +119,10 @@ def wire_bytes_per_step(grad_bytes: int, stage: int, world_size: int, accumulati
     return {0: {"all_reduce": wire_bytes("all_reduce", grad_bytes, world_size)},
             1: {"reduce_scatter": share, "all_gather": share},
             2: {"reduce_scatter": a * share, "all_gather": share},
-            3: {"all_gather": gathers * share, "reduce_scatter": a * share}}[stage]
+            3: {"all_gather": gathers * share, "reduce_scatter": a * share}}[zero_stage]
 
 
-def transient_weight_bytes(unit_params: list[int], stage: int, weight_bytes: int, reshard_after_forward: bool = True,
+def transient_weight_bytes(unit_params: list[int], zero_stage: int, weight_bytes: int, reshard_after_forward: bool = True,
                            world_size: int = 1) -> int:
     """Peak bytes of gathered weights one rank holds while a step runs, on top of its weights at rest (its
     shards, zero_state_bytes' "weights"): what ZeroDataParallel's memory_trace measures, to the byte.
@@ -140,9 +139,9 @@ def transient_weight_bytes(unit_params: list[int], stage: int, weight_bytes: int
         stage 3, reshard_after_forward=False   Σ_u W_u     each unit stays from its forward to its backward:
                                                            at the end of forward every unit is gathered
     """
-    check_zero_stage(stage)
-    check_reshard_after_forward(reshard_after_forward, stage)
-    if stage < 3 or not unit_params:
+    check_zero_stage(zero_stage)
+    check_reshard_after_forward(reshard_after_forward, zero_stage)
+    if zero_stage < 3 or not unit_params:
         return 0
     gathered = [weight_bytes * world_size * -(-numel // world_size) for numel in unit_params]
     return max(gathered) if reshard_after_forward else sum(gathered)
@@ -220,7 +219,7 @@ class ZeroDataParallel(nn.Module):
                  units: list[nn.Module] | None = None, reshard_after_forward: bool = True, **optimizer_kwargs):
         if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
             raise ValueError(f"zero_stage={zero_stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
-        check_reshard_after_forward(reshard_after_forward, zero_stage, name="zero_stage")   # before any allocation
+        check_reshard_after_forward(reshard_after_forward, zero_stage)   # before any allocation
         super().__init__()
         self.module, self.comm, self.zero_stage = module, comm, zero_stage
         self.reshard_after_forward = reshard_after_forward
@@ -268,10 +267,6 @@ class ZeroDataParallel(nn.Module):
         self.shards = nn.ParameterList(shards)
         self.optimizer = optimizer_class(list(self.shards), **optimizer_kwargs)
 
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage, ``zero_stage``: the older name, still read by checkpoint code."""
-        return self.zero_stage
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

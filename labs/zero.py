@@ -37,7 +37,7 @@ def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
     results = {}
     for impl, stage in RUNS:
         reset_peak_memory()                           # each run's peak is its own: the last run's model is freed
-        run = train(rank, world_size, impl=impl, stage=stage, steps=steps, per_rank_batch=per_rank_batch,
+        run = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, per_rank_batch=per_rank_batch,
                     seq_len=seq_len, lr=lr, optimizer="mixed", dtype=torch.bfloat16, config=config, progress=True)
         run["params"] = run["params"].float()         # bf16 weights, sent back as fp32 for the comparison
         run["max_memory_allocated"] = peak_memory()

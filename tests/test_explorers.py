@@ -290,7 +290,7 @@ def test_numbers_and_counts_read_as_words():
 
 
 def test_the_zero_explorer_prints_the_tiny_model_in_units_that_show_it(drawn, capsys):
-    panel = explorers.zero_explorer(model="tiny", stage=3, ranks=2)
+    panel = explorers.zero_explorer(model="tiny", zero_stage=3, ranks=2)
     shown = capsys.readouterr().out
     state = panel.memory["ZeRO-3"]["total"]
     assert 2**20 < state < 2**30 and "0.0 GiB" not in shown

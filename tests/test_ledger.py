@@ -60,13 +60,13 @@ def test_conventions():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_params=-1, stage=0, world_size=1), "num_params=-1"),
-    (dict(num_params=7.5, stage=0, world_size=1), "whole number"),
-    (dict(num_params=10, stage=4, world_size=1), "stage=4: ZeRO stages are 0 (plain DDP), 1, 2, 3"),
-    (dict(num_params=10, stage=-1, world_size=1), "stage=-1"),
-    (dict(num_params=10, stage=True, world_size=1), "stage=True"),
-    (dict(num_params=10, stage=1, world_size=0), "world_size=0"),
-    (dict(num_params=10, stage=1, world_size=2, grad_bytes=-2), "grad_bytes=-2"),
+    (dict(num_params=-1, zero_stage=0, world_size=1), "num_params=-1"),
+    (dict(num_params=7.5, zero_stage=0, world_size=1), "whole number"),
+    (dict(num_params=10, zero_stage=4, world_size=1), "zero_stage=4: ZeRO stages are 0 (plain DDP), 1, 2, 3"),
+    (dict(num_params=10, zero_stage=-1, world_size=1), "zero_stage=-1"),
+    (dict(num_params=10, zero_stage=True, world_size=1), "zero_stage=True"),
+    (dict(num_params=10, zero_stage=1, world_size=0), "world_size=0"),
+    (dict(num_params=10, zero_stage=1, world_size=2, grad_bytes=-2), "grad_bytes=-2"),
 ])
 def test_zero_state_bytes_rejects_nonsense(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -54,11 +54,11 @@ def every_run(rank, world_size):
     runs = {}
     for stage in range(4):
         # the ledger's convention: bf16 weights and grads, MixedPrecisionAdam (12 bytes of fp32 state)
-        runs["mixed", stage] = train(rank, world_size, stage=stage, steps=2, optimizer="mixed",
+        runs["mixed", stage] = train(rank, world_size, zero_stage=stage, steps=2, optimizer="mixed",
                                      dtype=torch.bfloat16, memory_trace=True)
-        runs["sgd", stage] = train(rank, world_size, stage=stage, steps=STEPS, optimizer="sgd", lr=0.1,
+        runs["sgd", stage] = train(rank, world_size, zero_stage=stage, steps=STEPS, optimizer="sgd", lr=0.1,
                                    dtype=torch.float64)
-        runs["adam", stage] = train(rank, world_size, stage=stage, steps=STEPS, dtype=torch.float64)
+        runs["adam", stage] = train(rank, world_size, zero_stage=stage, steps=STEPS, dtype=torch.float64)
     for impl in ("ddp", "zero_redundancy", "fully_shard"):
         runs[impl] = train(rank, world_size, impl=impl, steps=STEPS, dtype=torch.float64)
     return runs
@@ -144,7 +144,7 @@ ACCUMULATION_STEPS = 2
 
 
 def accumulated_runs(rank, world_size):
-    runs = {stage: train(rank, world_size, stage=stage, steps=2, accumulation_steps=ACCUMULATION_STEPS,
+    runs = {stage: train(rank, world_size, zero_stage=stage, steps=2, accumulation_steps=ACCUMULATION_STEPS,
                          optimizer="sgd", lr=0.1, dtype=torch.float64) for stage in range(4)}
     runs["ddp"] = train(rank, world_size, impl="ddp", steps=2, accumulation_steps=ACCUMULATION_STEPS,
                         optimizer="sgd", lr=0.1, dtype=torch.float64)

@@ -24,10 +24,10 @@ TINY = preset("tiny")
 def kept_gathered_runs(rank, world_size):
     """ZeRO-3 both ways, with and without gradient accumulation (float64, SGD; memory traced), Adam, and torch's
     fully_shard with the same setting."""
-    runs = {(reshard, a): train(rank, world_size, stage=3, steps=2, accumulation_steps=a, optimizer="sgd", lr=0.1,
+    runs = {(reshard, a): train(rank, world_size, zero_stage=3, steps=2, accumulation_steps=a, optimizer="sgd", lr=0.1,
                                 dtype=torch.float64, memory_trace=True, reshard_after_forward=reshard)
             for reshard in (True, False) for a in (1, ACCUMULATION_STEPS)}
-    runs["adam"] = train(rank, world_size, stage=3, steps=STEPS, dtype=torch.float64, reshard_after_forward=False)
+    runs["adam"] = train(rank, world_size, zero_stage=3, steps=STEPS, dtype=torch.float64, reshard_after_forward=False)
     runs["fully_shard"] = train(rank, world_size, impl="fully_shard", steps=STEPS, dtype=torch.float64,
                                 reshard_after_forward=False)
     return runs
@@ -110,9 +110,9 @@ def test_reshard_after_forward_false_needs_stage_3():
         ZeroDataParallel(build(TINY), None, zero_stage=1, reshard_after_forward=False)
     with pytest.raises(ValueError, match=r"reshard_after_forward='no': True or False"):
         ZeroDataParallel(build(TINY), None, zero_stage=3, reshard_after_forward="no")
-    with pytest.raises(ValueError, match=r"reshard_after_forward=False with stage=2"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False with zero_stage=2"):
         wire_bytes_per_step(1000, 2, 4, reshard_after_forward=False)
-    with pytest.raises(ValueError, match=r"reshard_after_forward=False with stage=0"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False with zero_stage=0"):
         transient_weight_bytes([10], 0, 2, reshard_after_forward=False)
 
 

@@ -117,11 +117,11 @@ class Trainer:
 
     def pieces(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by name (TP pieces; stage 3 gathers each unit's weights for the copy)."""
-        if self.dp.stage == 3:
+        if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.gather(unit.shard, self.dp.comm)
         out = {n: p.detach().clone() for n, p in self.dp.module.named_parameters()}
-        if self.dp.stage == 3:
+        if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.free()
         return out

@@ -27,12 +27,12 @@ from .ddp import wrap
 IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
 
 
-def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
+def train(rank: int, world_size: int, *, impl: str = "ours", zero_stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
           accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
           dtype=torch.float32, config=None, seed: int = 0, memory_trace: bool = False, progress: bool = False,
           reshard_after_forward: bool = True) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
-    "ours" (ZeroDataParallel at ``stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
+    "ours" (ZeroDataParallel at ``zero_stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
     "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
     plus the root: stage 3). ``optimizer``: "adam" (torch's, foreach=False), "sgd", or "mixed"
     (MixedPrecisionAdam: 12 bytes of state per parameter; use it with dtype=torch.bfloat16).
@@ -54,13 +54,13 @@ def train(rank: int, world_size: int, *, impl: str = "ours", stage: int = 3, ste
     comm, dev = Comm(), device()
     config = config or preset("tiny")
     module = build(config, seed=seed, device=dev, dtype=dtype)
-    model, update = _parallel_model(impl, module, comm, world_size, stage, optimizer_class, lr, reshard_after_forward)
+    model, update = _parallel_model(impl, module, comm, world_size, zero_stage, optimizer_class, lr, reshard_after_forward)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
            "memory_trace": None}
     steps_range = range(steps)
     if progress and rank == 0:
-        steps_range = tqdm(steps_range, desc=f"{impl} stage {stage}" if impl == "ours" else impl, leave=False,
+        steps_range = tqdm(steps_range, desc=f"{impl} ZeRO-{zero_stage}" if impl == "ours" else impl, leave=False,
                            mininterval=1.0)
     for step in steps_range:
         batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
@@ -86,12 +86,12 @@ def _optimizer_class(impl: str, optimizer: str):
     return optimizers[optimizer]
 
 
-def _parallel_model(impl: str, module, comm: Comm, world_size: int, stage: int, optimizer_class, lr: float,
+def _parallel_model(impl: str, module, comm: Comm, world_size: int, zero_stage: int, optimizer_class, lr: float,
                     reshard_after_forward: bool):
     """(the model to call, what steps it): ZeroDataParallel and its optimizer, or torch's implementation around
     ``module`` with an optimizer over its parameters (ZeroRedundancyOptimizer's under "zero_redundancy")."""
     if impl == "ours":
-        model = ZeroDataParallel(module, comm, zero_stage=stage, optimizer_class=optimizer_class,
+        model = ZeroDataParallel(module, comm, zero_stage=zero_stage, optimizer_class=optimizer_class,
                                  reshard_after_forward=reshard_after_forward, lr=lr)
         return model, model.optimizer
     check_reshard_after_forward(reshard_after_forward, 3 if impl == "fully_shard" else 0)   # DDP's: stage 0 or 1

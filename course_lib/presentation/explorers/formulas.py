@@ -112,7 +112,7 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
     return panel
 
 
-def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu="80 GiB (A100 80GB)"):
+def zero_explorer(model="Llama-2-7B", zero_stage=1, ranks=8, convention="mixed", gpu="80 GiB (A100 80GB)"):
     """ZeRO stage × ranks × model → the training state each rank holds (weights, gradients, optimizer state,
     ledger.zero_state_bytes) for every stage, against a card, and the bytes each rank sends per step
     (zero.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
@@ -124,7 +124,7 @@ def zero_explorer(model="Llama-2-7B", stage=1, ranks=8, convention="mixed", gpu=
     controls = {
         "model": widgets.Dropdown(options=[*counts, "custom"], value=model, description="model"),
         **_custom_controls(),
-        "stage": widgets.ToggleButtons(options=[0, 1, 2, 3], value=stage, description="ZeRO stage"),
+        "stage": widgets.ToggleButtons(options=[0, 1, 2, 3], value=zero_stage, description="ZeRO stage"),
         "ranks": widgets.SelectionSlider(options=list(ZERO_RANKS), value=ranks, description="ranks"),
         "convention": widgets.Dropdown(options=list(CONVENTIONS), value=convention, description="precision"),
         "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
