@@ -76,12 +76,12 @@ LABS = {
                            "--steps 5 --dtype fp32"),
     # one stage per GPU, the bubble from m = 1 to 32 micro-batches
     "pipeline_parallel": Lab(2, "a pipeline has 2 or more stages",
-                             lambda n: "--microbatches 1 8 32 --op-ms 20 --steps 2 --real --dtype fp32",
-                             "--microbatches 1 4 --steps 2 --real --dtype fp32"),
+                             lambda n: "--num-microbatches 1 8 32 --op-ms 20 --steps 2 --real --dtype fp32",
+                             "--num-microbatches 1 4 --steps 2 --real --dtype fp32"),
     # dp = n / 4 replicas of a tp 2 × pp 2 grid
     "parallel_3d": Lab(4, "tp 2 × pp 2 (× dp)",
                        lambda n: f"--tp 2 --pp 2 --hidden 512 --layers 8 --seq-len 128 --batch-size {16 * (n // 4)} "
-                                 "--microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
+                                 "--num-microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
     # save in one layout (8 GPUs: dp 2 × tp 2 × pp 2, ZeRO-1), resume in another on NCCL, float64 parity
     "checkpoint": Lab(1, "", lambda n: "--no-kill --steps 8", "--no-kill --steps 6 --every 2 --kill-at 3"),
 }

@@ -1,7 +1,7 @@
 """Lab 05: pipeline parallelism on N stages: bubbles against (p-1)/(m+p-1), memory of GPipe against 1F1B.
 
     python labs/pipeline_parallel.py --world-size 4 --real                            # this CPU: 4 gloo ranks
-    torchrun --nproc-per-node 8 labs/pipeline_parallel.py --microbatches 8 32 64        # one GPU box, p = 8
+    torchrun --nproc-per-node 8 labs/pipeline_parallel.py --num-microbatches 8 32 64        # one GPU box, p = 8
     torchrun --nproc-per-node 8 labs/pipeline_parallel.py --hidden 1024 --layers 16 --seq-len 512 --real
 
 The model (the course's tiny GPT, or a wider one with --hidden/--layers) is cut into one stage per rank. For each
@@ -56,25 +56,25 @@ def check_arguments(args) -> None:
     if args.layers is not None and args.layers < args.world_size:
         raise ValueError(f"--layers {args.layers} < --world-size {args.world_size} stages: every stage needs at "
                          "least one layer")
-    batch = args.batch or 2 * max(args.microbatches)
-    uneven = [m for m in args.microbatches if batch % m]
+    batch = args.batch or 2 * max(args.num_microbatches)
+    uneven = [m for m in args.num_microbatches if batch % m]
     if uneven:
         raise ValueError(f"a batch of {batch} rows does not split into {uneven} micro-batches of equal size: "
-                         "give --batch a multiple of every --microbatches count")
+                         "give --batch a multiple of every --num-microbatches count")
 
 
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=4, steps=3)
-    parser.add_argument("--microbatches", type=integer(1), nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--num-microbatches", type=integer(1), nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--op-ms", type=finite_number(above=0), default=40.0,
                         help="controlled cost of each forward and backward, ms")
     parser.add_argument("--batch", type=integer(1), help="rows per step (default: 2 × the largest micro-batch count)")
     parser.add_argument("--real", action="store_true", help="also run each step with real compute (its time)")
     parser.set_defaults(seq_len=8)
     args = parse(parser, argv, check=check_arguments)
-    p, batch = args.world_size, args.batch or 2 * max(args.microbatches)
+    p, batch = args.world_size, args.batch or 2 * max(args.num_microbatches)
     overrides = {**model_overrides(args), "num_layers": args.layers or max(4, p)}   # a layer per stage at least
-    runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.microbatches]
+    runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.num_microbatches]
     common = dict(batch_size=batch, seq_len=args.seq_len, **overrides)
     weights = build(preset("tiny", **overrides), seed=0).state_dict()   # built once, copied by every rank
     controlled = launch(sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
@@ -131,7 +131,7 @@ def save_figure(args, p, rows, controlled, runs):
 
     fig, (curve, gantt) = plt.subplots(2, 1, figsize=(8, 3.2 + 0.45 * p + 1.3),
                                        gridspec_kw={"height_ratios": [3.2, 0.45 * p + 1.3]})
-    ms = list(range(1, max(args.microbatches) + 1))
+    ms = list(range(1, max(args.num_microbatches) + 1))
     curve.plot(ms, [100 * bubble_fraction(p, m) for m in ms], "-", color="0.6", lw=2, label="(p−1)/(m+p−1)")
     for schedule, marker in (("gpipe", "o"), ("1f1b", "s")):
         points = [(r["num_microbatches"], 100 * r["measured"]) for r in rows if r["schedule"] == schedule]

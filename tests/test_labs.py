@@ -115,11 +115,11 @@ BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
     ("tensor_parallel", "--batch-size 0", "argument --batch-size: 0 is below 1: it must be at least 1"),
     ("tensor_parallel", "--world-size 3", "(num_heads) cannot split over TP=3"),
     ("pipeline_parallel", "--op-ms -5", "argument --op-ms: -5 must be more than 0"),
-    ("pipeline_parallel", "--microbatches 4 0", "argument --microbatches: 0 is below 1: it must be at least 1"),
+    ("pipeline_parallel", "--num-microbatches 4 0", "argument --num-microbatches: 0 is below 1: it must be at least 1"),
     ("pipeline_parallel", "--world-size 4 --layers 2", "--layers 2 < --world-size 4 stages"),
-    ("pipeline_parallel", "--batch 6 --microbatches 4", "a batch of 6 rows does not split into [4] micro-batches"),
+    ("pipeline_parallel", "--batch 6 --num-microbatches 4", "a batch of 6 rows does not split into [4] micro-batches"),
     ("parallel_3d", "--tp 0", "argument --tp: 0 is below 1: it must be at least 1"),
-    ("parallel_3d", "--microbatches 0", "argument --microbatches: 0 is below 1: it must be at least 1"),
+    ("parallel_3d", "--num-microbatches 0", "argument --num-microbatches: 0 is below 1: it must be at least 1"),
     ("parallel_3d", "--tp 1 --pp 8 --layers 4", "pp 8 stages > 4 layers"),
 ]
 
