@@ -97,9 +97,11 @@ class Job:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes per gradient element as it is reduced and as the optimizer reads it: fp32 (4) where the
-        convention keeps fp32 gradients (fp32, Megatron's fp32 gradients or fp32 accumulation), else the dtype's."""
-        return 4 if CONVENTIONS[self.state_convention].grad_bytes >= 4 else self.bytes_per_element
+        """Bytes per gradient element as it is reduced and as the optimizer reads it: at least fp32's 4 where the
+        convention keeps fp32 gradients (fp32, Megatron's fp32 gradients or fp32 accumulation), else the dtype's
+        (fp64 runs reduce 8-byte gradients)."""
+        fp32_grads = CONVENTIONS[self.state_convention].grad_bytes >= 4
+        return max(4, self.bytes_per_element) if fp32_grads else self.bytes_per_element
 
     @property
     def state_convention(self) -> str:
