@@ -92,10 +92,8 @@ def test_hsdp_at_4_ranks_equals_one_process_and_sends_the_formula(reference):
     assert max_parameter_gap(results, state) <= F64
     params = params_per_rank(TINY, mesh, 0)
     predicted = hsdp_wire_bytes_per_step(8 * params, 2, 2, accumulation_steps=M)
-    # A Job's conventions count at most 4-byte (fp32) gradients; HSDP's bytes are linear in them: float64's are
-    # twice fp32's.
-    fp32 = Job(TINY, mesh, zero_stage=3, num_microbatches=M, dtype="fp32")
-    assert sum(predicted.values()) == 2 * sum(data_parallel_bytes_per_step(fp32, 0).values())
+    fp64 = Job(TINY, mesh, zero_stage=3, num_microbatches=M, dtype="fp64")       # the run, described once
+    assert sum(predicted.values()) == sum(data_parallel_bytes_per_step(fp64, 0).values())
     [(count, group, replicas)] = data_parallel_parts(TINY, mesh, 0)       # float64 state: 8 + 8 + 16 bytes
     assert (count, group, replicas) == (params, 2, 2)
     state_formula = zero_state_bytes(count, 3, group, weight_bytes=8, grad_bytes=8, optimizer_bytes=16)
