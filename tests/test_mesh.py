@@ -245,7 +245,8 @@ def test_bad_cp_and_ep_meshes_name_every_factor():
     from course_lib.model import build
     from course_lib.parallelize import parallelize
     with pytest.raises(ValueError, match=r"ep 2 with a data-parallel wrapper"):
-        parallelize(build(preset("tiny", num_experts=4), device="meta"), Mesh(dp=2, ep=2), {}, 0)
+        moe = preset("tiny", num_experts=4)
+        parallelize(build(moe, device="meta"), Job(moe, Mesh(dp=2, ep=2)), {}, 0)
 
 
 @pytest.mark.parametrize("name, mesh", [("mixtral-8x7b", Mesh(dp=8, ep=8)), ("mixtral-8x7b", Mesh(dp=2, cp=2, ep=2, pp=4)),
@@ -319,7 +320,8 @@ def _cp_tp_gradients(rank, world_size):
     mesh = Mesh(cp=2, tp=2)
     comms = make_comms(mesh, rank)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
-    wrapper = parallelize(build(preset("tiny"), dtype=torch.float64), mesh, comms, rank).data_parallel
+    job = Job(preset("tiny"), mesh, seq_len=16, dtype="fp64")
+    wrapper = parallelize(build(job.config, dtype=torch.float64), job, comms, rank).data_parallel
     inputs, targets = (shard_sequence(t, comms["cp"], dim=1) for t in (tokens[:, :-1], tokens[:, 1:]))
     loss = loss_fn(wrapper.module(inputs), targets)
     loss.backward()
