@@ -53,8 +53,9 @@ last stage also runs the final norm, the head and the loss):
              full recomputation (torch's non-reentrant checkpoint stops at the last saved tensor, so the
              MLP's all-reduce is not rerun; Megatron-LM's full recomputation reruns the whole forward: 6).
              Sequence parallelism turns each into a reduce-scatter + an all-gather: the same bytes, two α.
-             hidden = the backward half, × tp_overlap, up to the weight-gradient GEMMs' time (Megatron runs the input-gradient all-reduce
-             beside the dW GEMM: Korthikanti et al. 2022, 5). NVLink if the TP group fits in a node.
+             hidden = the backward half, × tp_overlap, up to the weight-gradient GEMMs' time (Megatron runs
+             the input-gradient all-reduce beside the dW GEMM: Korthikanti et al. 2022, 5). NVLink if the TP
+             group fits in a node.
   pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
              per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
              (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
@@ -62,9 +63,10 @@ last stage also runs the final norm, the head and the loss):
   bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v)
   dp_s      = DP traffic of the busiest stage, group by group (per_rank.data_parallel_traffic: each group on
              its own link, gradients of the convention's reduce bytes, weights of the dtype's): ZeRO 0
-             all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the updated weights; 2 reduce-scatters every micro-batch (it keeps only its shard of
-             the gradients); 3 also all-gathers the weights before every micro-batch's forward and backward
-             (FSDP's default, resharded after forward): 2m all-gathers, m reduce-scatters; m all-gathers with
+             all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the updated weights;
+             2 reduce-scatters every micro-batch (it keeps only its shard of the gradients); 3 also
+             all-gathers the weights before every micro-batch's forward and backward (FSDP's default,
+             resharded after forward): 2m all-gathers, m reduce-scatters; m all-gathers with
              job.reshard_after_forward False. Then
              hidden = min(dp_overlap · traffic, window): bucket by bucket, the gradients' reduction runs
              beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
@@ -257,7 +259,8 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
                                  recompute=job.recompute, attention=attention, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
-    layer_flops = (3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)) / config.num_layers
+    layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)
+    layer_flops /= config.num_layers
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
     tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
     pp_link = link_for(job.mesh.size, job.gpus_per_node, hw)

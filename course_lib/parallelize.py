@@ -85,7 +85,8 @@ def parallelize(model: nn.Module, job: Job, comms: dict[str, Comm], rank: int, *
     ``optimizer_kwargs`` go to ZeroDataParallel's optimizer (zero_stage 0-3). Feed the stage this rank's slice of
     the sequence when cp > 1 (context_parallel.shard_sequence) and this dp rank's share of the batch."""
     if job.config != model.config:
-        raise ValueError(f"the job describes {job.config}, the model is {model.config}: build the model from job.config")
+        raise ValueError(f"the job describes {job.config}, the model is {model.config}: build the model from "
+                         "job.config")
     job.check()
     mesh = job.mesh
     where = mesh.coords(rank)

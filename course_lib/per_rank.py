@@ -137,8 +137,9 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
     "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
     "span" is how many consecutive ranks the group reaches across (its link: inside a node when the span fits
     one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step), gradients
-    of job.grad_bytes and gathered weights of job.bytes_per_element each. The job's micro-batches are the micro-steps of an optimizer step
-    (ZeRO-2 and -3 reduce, ZeRO-3 gathers, in each of them; without resharding after forward, once)."""
+    of job.grad_bytes and gathered weights of job.bytes_per_element each. The job's micro-batches are the
+    micro-steps of an optimizer step (ZeRO-2 and -3 reduce in each of them; ZeRO-3 gathers twice in each, or once
+    without resharding after forward)."""
     config, mesh, zero_stage, grad_bytes = job.config, job.mesh, job.zero, job.grad_bytes
     accumulation_steps, num_chunks, vocab_parallel = job.num_microbatches, job.num_chunks, job.vocab_parallel
     replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
@@ -294,7 +295,8 @@ def activation_bytes_per_rank(job: Job, stage: int) -> dict[str, int]:
     Exact for the course's code in torch 2.13 (the virtual cluster measures it; a dense MLP: a
     mixture of experts' layer has no formula here).
     """
-    config, mesh, seq_len, dtype, recompute = job.config, job.mesh, job.tokens_per_sequence, job.torch_dtype, job.recompute
+    config, mesh, seq_len, dtype = job.config, job.mesh, job.tokens_per_sequence, job.torch_dtype
+    recompute = job.recompute
     sequence_parallel, fused_norm, num_chunks = job.sequence_parallel, job.fused_norm, job.num_chunks
     mesh.check_sequence(seq_len)
     b, s = job.micro_batch_size, seq_len // mesh.cp

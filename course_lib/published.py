@@ -132,13 +132,15 @@ LLAMA3_ASSUMED = ("micro-batch 1 (m = batch size/DP); v = 8 chunks per GPU, read
 
 PUBLISHED_RUNS = [narayanan_run(*row) for row in TABLE_1] + [korthikanti_run(*row) for row in TABLE_5] + [
     PublishedRun(
-        "Llama 3 405B, 8,192 H100 (Llama 3 paper, Table 4)", preset("llama3-405b"), "H100 SXM", Mesh(dp=64, tp=8, pp=16),
+        "Llama 3 405B, 8,192 H100 (Llama 3 paper, Table 4)", preset("llama3-405b"), "H100 SXM",
+        Mesh(dp=64, tp=8, pp=16),
         dict(seq_len=8192, micro_batch_size=1, num_microbatches=32, **LLAMA3_LAYOUT),
         "mfu", 0.43,
         f"{LLAMA3_SOURCE}. Table 4: TP 8, CP 1, PP 16, DP 64, seq 8,192, batch size/DP 32, 16M tokens/batch, "
         "430 TFLOP/s per GPU, BF16 MFU 43%", LLAMA3_ASSUMED),
     PublishedRun(
-        "Llama 3 405B, 16,384 H100 (Llama 3 paper, Table 4)", preset("llama3-405b"), "H100 SXM", Mesh(dp=128, tp=8, pp=16),
+        "Llama 3 405B, 16,384 H100 (Llama 3 paper, Table 4)", preset("llama3-405b"), "H100 SXM",
+        Mesh(dp=128, tp=8, pp=16),
         dict(seq_len=8192, micro_batch_size=1, num_microbatches=16, **LLAMA3_LAYOUT),
         "mfu", 0.41,
         f"{LLAMA3_SOURCE}. Table 4: TP 8, CP 1, PP 16, DP 128, batch size/DP 16, 400 TFLOP/s per GPU, BF16 MFU "

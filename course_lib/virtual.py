@@ -266,7 +266,8 @@ def formulas(job: Job, rank: int) -> dict:
                                                            job.num_chunks)}
     else:
         activations = activation_bytes_per_rank(job, stage)
-    return {"state_bytes": data_parallel_state_bytes(job, stage), "transient_bytes": transient_bytes_per_rank(job, stage),
+    return {"state_bytes": data_parallel_state_bytes(job, stage),
+            "transient_bytes": transient_bytes_per_rank(job, stage),
             "activation_bytes_peak": activations["peak"],
             "activation_bytes_per_microbatch": activations["per_microbatch"],
             "microbatches_in_flight": activations["in_flight"], "sent_bytes": sent_bytes_per_rank(job, stage),
@@ -330,13 +331,11 @@ SWITCH_HELP = {
     "fused_norm": "count RMSNorm as a fused GPU kernel saves it (--no-fused-norm: as F.rms_norm on the CPU)",
 }
 NOT_SWITCHES = {"data_parallel"}     # set by the virtual cluster itself (run_rank)
+OPTIONS = ("micro_batch_size", "num_microbatches", "zero_stage", "recompute", "schedule", "num_chunks", "dtype")
 
 
 def _switches() -> list[str]:
     return [f.name for f in dataclasses.fields(Job) if f.type in ("bool", bool) and f.name not in NOT_SWITCHES]
-
-
-OPTIONS = ("micro_batch_size", "num_microbatches", "zero_stage", "recompute", "schedule", "num_chunks", "dtype")
 
 
 def _add_switches(parser: argparse.ArgumentParser) -> None:
@@ -362,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cp", type=ranks, default=1, help="context parallelism: ring attention over s/cp tokens")
     parser.add_argument("--ep", type=ranks, default=1, help="expert parallelism (a MoE preset): out of dp × cp")
     parser.add_argument("--dp-replicate", type=ranks, default=1,
-                        help="hybrid sharding (HSDP, with --zero-stage 3): dp_replicate replicas of dp / dp_replicate ranks")
+                        help="hybrid sharding (HSDP, --zero-stage 3): dp_replicate replicas of dp/dp_replicate ranks")
     parser.add_argument("--rank", type=integer(0, MAX_VIRTUAL_WORLD - 1), default=0, help="the rank to run")
     parser.add_argument("--seq-len", type=integer(1),
                         help="tokens per sequence (default: the preset's max_seq_len)")
