@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .hardware import find_gpu
 from .ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
 from .mesh import Mesh
 from .model import ModelConfig
