@@ -96,7 +96,7 @@ from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
 from .per_rank import data_parallel_state_bytes, data_parallel_traffic
 from .pipeline_parallel import bubble_fraction, partition_layers
-from .tensor_parallel import tp_step_traffic
+from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
 
@@ -264,8 +264,8 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
     tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
     pp_link = link_for(job.mesh.size, job.gpus_per_node, hw)
-    traffic = tp_step_traffic(config, b, seq_len, t, e)
-    pp_bytes = traffic["payload_bytes_each"] // (t if job.sequence_parallel or scatter_gather else 1)
+    activation = tp_allreduce_bytes(b, seq_len, config.hidden, e)      # what one stage hands the next
+    pp_bytes = activation // (t if job.sequence_parallel or scatter_gather else 1)
     pp_per_microbatch = 2 * v * (pp_link.alpha_s + pp_bytes / pp_link.bytes_per_s) if p > 1 else 0.0
     pp_per_microbatch *= 1 - pp_overlap
     stages = []
@@ -301,9 +301,10 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
     of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (step_time's
     docstring): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute."""
     mesh, m, zero = job.mesh, job.num_microbatches, job.zero
-    backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
-    busiest, link_name = (0.0, 0.0), link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
+    link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
+    if mesh.dp * mesh.cp == 1:
+        return 0.0, 0.0, link_name
+    busiest = (0.0, 0.0)
     for stage in range(mesh.pp):
         gradient = weight = 0.0
         for group in data_parallel_traffic(job, stage):
@@ -318,8 +319,8 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
         if gradient + weight > sum(busiest):
             busiest = (gradient, weight)
     gradient, weight = busiest
-    if mesh.dp * mesh.cp == 1:
-        return 0.0, 0.0, link_name
+    backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
     hideable = gradient + weight if zero == 3 else gradient
     return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
 

@@ -145,7 +145,7 @@ def run_rank(job: Job, rank: int) -> dict:
         step = _run_step(job, rank)
     result = {**_header(job, rank, step["stage"]), **_measured(step), "formulas": formulas(job, rank)}
     if step["data_parallel"] is None:   # ep > 1: no data-parallel wrapper ran (module docstring)
-        _use_formulas(result, job, ("state_bytes", "sent_bytes.dp"))
+        _use_formulas(result, ("state_bytes", "sent_bytes.dp"))
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -220,7 +220,7 @@ def _measured(step: dict) -> dict:
     }
 
 
-def _use_formulas(result: dict, job: Job, names) -> None:
+def _use_formulas(result: dict, names) -> None:
     """Where no wrapper ran, the formula's number stands in, labelled computed ("sent_bytes.AXIS": one axis)."""
     for name in names:
         if name.startswith("sent_bytes."):
