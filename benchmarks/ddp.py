@@ -25,7 +25,7 @@ from course_lib.units import MiB
 KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 
 
-def interleaved_steps(rank, world_size, *, config, steps, warmup, bucket_bytes, per_rank_batch, seq_len):
+def interleaved_steps(rank, world_size, *, config, steps, warmup, bucket_bytes, micro_batch_size, seq_len):
     """Each kind's step times on this rank, the kinds taking turns on the same batches."""
     comm = Comm()
     data = SyntheticTokens(config.vocab_size, seq_len, seed=0)
@@ -35,7 +35,7 @@ def interleaved_steps(rank, world_size, *, config, steps, warmup, bucket_bytes, 
         setups[kind] = (model, torch.optim.Adam(model.parameters(), lr=1e-3))
     seconds = {kind: [] for kind in KINDS}
     for step in range(warmup + steps):
-        batches = micro_batches(data, step, per_rank_batch, rank, world_size)
+        batches = micro_batches(data, step, micro_batch_size, rank, world_size)
         order = KINDS[step % 3:] + KINDS[:step % 3]
         for kind in order:
             comm.barrier()                               # start together: no rank carries the last one's lag
@@ -59,14 +59,14 @@ def main():
     config = preset("tiny", num_layers=args.layers, **{**widened(args.hidden), "intermediate": 2 * args.hidden})
     params = count_params(config)
     print(f"model: hidden {args.hidden}, {args.layers} layers, {params:,} parameters = {4 * params / MiB:.1f} MiB "
-          f"of fp32 gradients; buckets {args.bucket_mb} MiB; per-rank batch {args.per_rank_batch} × "
+          f"of fp32 gradients; buckets {args.bucket_mb} MiB; per-rank batch {args.micro_batch_size} × "
           f"{args.seq_len} tokens; median of {args.steps} steps after {args.warmup} warm-up\n")
     print(f"{'ranks':>5} {'naive ms':>9} {'bucketed ms':>12} {'torch ms':>9} {'naive/torch':>12} {'bucketed/torch':>15}")
     ratio = None
     for world_size in args.world_sizes:
         per_rank = launch(interleaved_steps, world_size, timeout=600, config=config, steps=args.steps,
                           warmup=args.warmup, bucket_bytes=int(args.bucket_mb * MiB),
-                          per_rank_batch=args.per_rank_batch, seq_len=args.seq_len)
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
         median = {kind: statistics.median(max(times) for times in zip(*(r[kind] for r in per_rank)))
                   for kind in KINDS}
         ratio = median["bucketed"] / median["torch"]

@@ -35,7 +35,7 @@ NAMES = {"ours": "ours", "ddp": "torch DDP", "zero_redundancy": "ZeroRedundancyO
 KiB = 1024
 
 
-def fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len) -> int:
+def fully_shard_peak_weights(rank, world_size, config, micro_batch_size, seq_len) -> int:
     """FSDPMemTracker's sharded + unsharded parameter bytes at the peak of one training step."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -47,7 +47,7 @@ def fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len) 
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
-    inputs, targets = SyntheticTokens(config.vocab_size, seq_len).rank_batch(0, per_rank_batch * world_size, rank,
+    inputs, targets = SyntheticTokens(config.vocab_size, seq_len).rank_batch(0, micro_batch_size * world_size, rank,
                                                                            world_size)
     for step in range(2):                       # the first step makes Adam's state; track the second
         tracker = FSDPMemTracker(model, optimizer) if step else None
@@ -59,13 +59,13 @@ def fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len) 
     return sum(value for kind, value in peak.items() if str(kind).endswith(("SHARDED_PARAM", "UNSHARDED_PARAM")))
 
 
-def every_run(rank, world_size, *, config, rounds, steps, per_rank_batch, seq_len):
+def every_run(rank, world_size, *, config, rounds, steps, micro_batch_size, seq_len):
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)                    # one core per rank, as one GPU per rank
     results = {run: {"seconds": []} for run in RUNS}
     for _ in range(rounds):
         for impl, stage in RUNS:
-            out = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, per_rank_batch=per_rank_batch,
+            out = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, micro_batch_size=micro_batch_size,
                         seq_len=seq_len, lr=1e-3, config=config)
             result = results[impl, stage]
             result["seconds"] += out["step_seconds"][1:]            # the first step is warm-up
@@ -74,10 +74,10 @@ def every_run(rank, world_size, *, config, rounds, steps, per_rank_batch, seq_le
             result["bytes_written"] = out["bytes_written"][-1]
             result["peak"] = out["state"]["weights"]
     for stage in range(4):                      # one more run each, recording memory (not timed)
-        out = train(rank, world_size, zero_stage=stage, steps=2, per_rank_batch=per_rank_batch, seq_len=seq_len,
+        out = train(rank, world_size, zero_stage=stage, steps=2, micro_batch_size=micro_batch_size, seq_len=seq_len,
                     lr=1e-3, config=config, memory_trace=True)
         results["ours", stage]["peak"] = max(event["weights"] for event in out["memory_trace"])
-    results["fully_shard", 3]["peak"] = fully_shard_peak_weights(rank, world_size, config, per_rank_batch, seq_len)
+    results["fully_shard", 3]["peak"] = fully_shard_peak_weights(rank, world_size, config, micro_batch_size, seq_len)
     return results
 
 
@@ -93,10 +93,10 @@ def main():
     args = parser.parse_args()
     config = preset("tiny", num_layers=args.layers, max_seq_len=args.seq_len, **widened(args.hidden))
     per_rank = launch(every_run, args.world_size, config=config, rounds=args.rounds, steps=args.steps,
-                      per_rank_batch=args.per_rank_batch, seq_len=args.seq_len, timeout=1200)
+                      micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, timeout=1200)
     params = count_params(config)
     print(f"{args.world_size} ranks (gloo, 1 thread each), {params:,} parameters (hidden {args.hidden}, "
-          f"{args.layers} layers), {args.per_rank_batch} x {args.seq_len} tokens per rank, fp32 Adam; "
+          f"{args.layers} layers), {args.micro_batch_size} x {args.seq_len} tokens per rank, fp32 Adam; "
           f"median of {args.rounds} rounds x {args.steps - 1} steps\n")
     print(f"{'implementation':>26} {'stage':>5} {'step (ms)':>10} {'/ DDP':>6} {'state KiB':>10} {'peak weights KiB':>17} "
           f"{'traced wire KiB':>16} {'kernel KiB':>11}")

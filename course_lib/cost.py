@@ -45,7 +45,8 @@ last stage also runs the final norm, the head and the loss):
 
   compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
              at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
-             none below its kernel launches; ``attention``: "flash" or "unfused"). The head is whole on every
+             none below its kernel launches; ``attention``: "flash", "unfused", or "flash-whole-square", a fused
+             kernel that runs the whole causal square, as MPT's Triton kernel with ALiBi is taken to). The head is whole on every
              TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
              ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).
   tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = all-reduces per layer as
@@ -67,10 +68,12 @@ last stage also runs the final norm, the head and the loss):
              2 reduce-scatters every micro-batch (it keeps only its shard of the gradients); 3 also
              all-gathers the weights before every micro-batch's forward and backward (FSDP's default,
              resharded after forward): 2m all-gathers, m reduce-scatters; m all-gathers with
-             job.reshard_after_forward False. Then
+             job.reshard_after_forward False; one of each with reshard_after_backward False too (torch's
+             pipelining: gathered in the first micro-batch's forward, reduced in the last's backward). Then
              hidden = min(dp_overlap · traffic, window): bucket by bucket, the gradients' reduction runs
              beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
-             1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers); the weights'
+             1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers; one
+             micro-batch's without resharding after backward); the weights'
              all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing.
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
              (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
@@ -86,15 +89,15 @@ Left out: data loading, stragglers, the embedding's lookup and its gradient on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .hardware import GPU, find_gpu
+from .hardware import GPU, Link, find_gpu
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
-from .per_rank import data_parallel_state_bytes, data_parallel_traffic
+from .per_rank import data_parallel_state_bytes, data_parallel_traffic, layers_per_rank
 from .pipeline_parallel import bubble_fraction, partition_layers
 from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 
@@ -180,16 +183,29 @@ class StepTime:
     optimizer_s: float = 0.0  # the optimizer step, once a step (memory-bound)
     operations: list[Operation] = field(default_factory=list)   # one micro-batch on the busiest GPU, by op
     achieved_share: float = 0.0   # the busiest GPU's hardware FLOPs (the MFU count) / (compute time × peak)
+    overhead_s: float = 0.0   # the framework's own work once a step (GPU.step_overhead_s and layer_update_overhead_s)
 
     def breakdown(self) -> dict[str, float]:
         terms = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
                  "bubble": self.bubble_s}
-        return {**terms, "optimizer": self.optimizer_s} if self.optimizer_s else terms
+        terms.update({"optimizer": self.optimizer_s} if self.optimizer_s else {})
+        return {**terms, "overhead": self.overhead_s} if self.overhead_s else terms
 
 
-def link_for(group_span: int, gpus_per_node: int, gpu: GPU):
-    """NVLink if a group of ``group_span`` consecutive ranks stays inside one node, else the network."""
-    return gpu.nvlink if group_span <= gpus_per_node and gpus_per_node % group_span == 0 else gpu.network
+def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | None = None) -> Link:
+    """NVLink if a group of ``group_span`` consecutive ranks stays inside one node, else the network. A ring
+    collective over ``group_size`` ranks that spans nodes with k of them in each node runs as NCCL runs it on a
+    rail-optimised cluster (one NIC per GPU): k rings side by side, each crossing each node boundary on its own
+    NIC, the other hops on NVLink, so each GPU moves its ring bytes at min(k · NIC, NVLink) (DGX A100: 8 × 25 =
+    200 GB/s; nccl-tests measure ~192 GB/s of bus bandwidth across DGX A100 nodes and ~380 across DGX H100's
+    8 × 50, NVIDIA's GTC 2024 NCCL talk). One GPU per node (a group strided by tp), or point-to-point: one NIC."""
+    if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
+        return gpu.nvlink
+    per_node = 1 if group_size is None else max(1, group_size * gpus_per_node // group_span)
+    if per_node == 1:
+        return gpu.network
+    rate = min(per_node * gpu.network.bytes_per_s, gpu.nvlink.bytes_per_s)
+    return replace(gpu.network, name=f"{gpu.network.name}, {per_node} rails per node", bytes_per_s=rate)
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather")
@@ -215,7 +231,9 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     dp_comm, dp, dp_link = _dp_seconds(held, hw, compute, dp_overlap)
     optimizer = max(optimizer_operation(hw, _updated_params(held, stage), job.grad_bytes).seconds
                     for stage in range(job.mesh.pp))
-    total = m * (compute + tp + pp) + bubble + dp + optimizer
+    overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,
+                                                                                              job.mesh.pp)))
+    total = m * (compute + tp + pp) + bubble + dp + optimizer + overhead
     sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
     flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute)
     capacity = total * hw.peak_flops * job.mesh.size
@@ -225,7 +243,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                     links={"tp": link_for(job.mesh.tp, job.gpus_per_node, hw).name,
                            "pp": link_for(job.mesh.size, job.gpus_per_node, hw).name, "dp": dp_link},
                     optimizer_s=optimizer, operations=operations,
-                    achieved_share=stage_flops / (compute * hw.peak_flops))
+                    achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead)
 
 
 def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
@@ -255,8 +273,10 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
     kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=e)
+    # "flash-whole-square": a fused kernel that does not skip the causal half (kernel_times.layer_operations)
+    kernel, causal = ("flash", False) if attention == "flash-whole-square" else (attention, True)
     layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
-                                 recompute=job.recompute, attention=attention, **kernels)
+                                 recompute=job.recompute, attention=kernel, causal=causal, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)
@@ -271,6 +291,8 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     stages = []
     for stage, layers in enumerate(partition_layers(config.num_layers, p)):
         ops = [op.times(len(layers)) for op in layer_ops] + (head_ops if stage == p - 1 else [])
+        if hw.layer_overhead_s:                          # the framework's own work per layer (a CPU's, measured)
+            ops.append(Operation("framework, per layer", 0, 0, len(layers) * hw.layer_overhead_s, "launch", 0))
         flops = len(layers) * layer_flops / t + (head_flops if stage == p - 1 else 0)
         compute = (sum(op.seconds for op in ops) if compute_efficiency is None
                    else flops / (compute_efficiency * hw.peak_flops))
@@ -308,10 +330,10 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
     for stage in range(mesh.pp):
         gradient = weight = 0.0
         for group in data_parallel_traffic(job, stage):
-            link = link_for(group["span"], job.gpus_per_node, hw)
+            link = link_for(group["span"], job.gpus_per_node, hw, group["size"])
             cost = link.cost_model()
             for op, nbytes in group["ops"].items():
-                seconds = _calls(job, op, group) * cost.alpha + nbytes / cost.beta
+                seconds = _calls(job, op, group) * _units(job, stage) * cost.alpha + nbytes / cost.beta
                 if op == "all_gather":
                     weight += seconds
                 else:
@@ -321,14 +343,25 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
     gradient, weight = busiest
     backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
     window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
+    if zero == 3 and not job.reshard_after_backward:
+        window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
     hideable = gradient + weight if zero == 3 else gradient
     return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
 
 
+def _units(job: Job, stage: int) -> int:
+    """How many units a rank of ``stage`` reduces (and ZeRO-3 gathers) one by one: each layer, the embedding on
+    the first stage, the final norm and head on the last (zero.default_units: FSDP's per-layer wrapping; the
+    course's ZeroDataParallel works unit by unit at every stage). Each unit's collective pays α."""
+    mesh = job.mesh
+    return (layers_per_rank(job.config, mesh, stage) + (stage == 0) + 2 * (stage == mesh.pp - 1))
+
+
 def _calls(job: Job, op: str, group: dict) -> int:
     """How many collectives of ``op`` a step runs on ``group`` (each pays the link's α once): one a step, or one
-    per micro-batch where ZeRO-2/3 reduce each micro-step, two where ZeRO-3 gathers for forward and backward."""
-    m, zero = job.num_microbatches, job.zero
+    per micro-batch where ZeRO-2/3 reduce each micro-step, two where ZeRO-3 gathers for forward and backward
+    (zero_bytes.wire_bytes_per_step's counts: once a step without resharding after backward)."""
+    m, zero = (job.num_microbatches if job.reshard_after_backward else 1), job.zero
     if op == "all_gather" and zero == 3 and group["group"] != "dp_replicate":
         return m * (2 if job.reshard_after_forward else 1)
     if op == "reduce_scatter" and zero >= 2:

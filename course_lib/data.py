@@ -71,17 +71,17 @@ class SyntheticTokens:
         tokens = torch.from_numpy(tokens)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def rank_batch(self, step: int, global_batch: int, rank: int,
+    def rank_batch(self, step: int, global_batch_size: int, rank: int,
                    world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank `rank`'s share of the global batch of `step`: global_batch // world_size rows."""
-        inputs, targets = self.batch(step, global_batch)
+        """Rank `rank`'s share of the global batch of `step`: global_batch_size // world_size rows."""
+        inputs, targets = self.batch(step, global_batch_size)
         return shard(inputs, rank, world_size), shard(targets, rank, world_size)
 
 
-def micro_batches(data, step: int, per_rank_batch: int, rank: int, world_size: int,
+def micro_batches(data, step: int, micro_batch_size: int, rank: int, world_size: int,
                   accumulation_steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of step ``step``: the global batch (per_rank_batch × world_size ×
+    """This rank's micro-batches of step ``step``: the global batch (micro_batch_size × world_size ×
     accumulation_steps rows) cut into accumulation_steps micro-batches, each sharded over the ranks."""
-    inputs, targets = data.batch(step, per_rank_batch * world_size * accumulation_steps)
+    inputs, targets = data.batch(step, micro_batch_size * world_size * accumulation_steps)
     return [(shard(i, rank, world_size), shard(t, rank, world_size))
             for i, t in zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps))]

@@ -45,6 +45,22 @@ H200_DATASHEET = ("NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-
                   "Core 1,979 TFLOPS with sparsity = 989 dense; 141GB HBM3e, 4.8 TB/s; NVLink 900 GB/s")
 
 
+# ----------------------------------------------------------------------------- what kernels reach
+#
+# A matmul [M, K] × [K, N] runs at  rate = matmul_share · peak · f(M) · f(N) · f(K),  f(x) = x / (x + x_half):
+# a large GEMM reaches matmul_share of the peak; a dimension of x_half elements halves that (the tile edge of
+# cuBLAS's large Tensor Core kernels is 128 or 256: a dimension smaller than a tile leaves most of each tile, and
+# with it of each SM, idle), 4·x_half costs a fifth, 16·x_half 6%. The curve is a stated smoothing of published
+# benchmark figures (GEMM_SOURCES), not a measurement here: it ignores wave quantization (a last partial wave of
+# tiles) and alignment, which make real curves saw-toothed by up to ~10% around it.
+MATMUL_HALF_DIM = 128
+# A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
+# A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
+HBM_SHARE = 0.85
+# A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
+# this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
+KERNEL_LAUNCH_S = 5e-6
+
 @dataclass(frozen=True)
 class Link:
     """One GPU's connection to its peers: bytes it can send per second (each direction) and a latency."""
@@ -69,6 +85,20 @@ class GPU:
     source: str
     matmul_share: float = 0.8        # share of the peak a large bf16 GEMM reaches (GEMM_SOURCES)
     attention_share: float = 0.55    # share of the peak FlashAttention reaches, forward + backward (GEMM_SOURCES)
+    matmul_half_dim: float = MATMUL_HALF_DIM   # a GEMM dimension this small halves its rate (matmul_rate)
+    attention_half_dim: float = 0.0            # a head dim this small halves attention's rate (0: no such loss)
+    hbm_share: float = HBM_SHARE               # of hbm_bytes_per_s, what a memory-bound kernel streams
+    launch_s: float = KERNEL_LAUNCH_S          # the least one kernel (one op) takes
+    # A GPU queues kernels ahead of the CPU that launches them, so a kernel takes the longer of its work and its
+    # launch; a CPU runs each op's dispatch before its work, so there they add (course_lib.calibration).
+    launch_adds: bool = False
+    # What the framework spends around the kernels, beyond each op's launch: per layer and micro-batch (forward +
+    # backward: module calls, autograd's bookkeeping, hooks), per layer and step (the optimizer's loop over its
+    # tensors) and per step (the loss, the embedding, zeroing). 0 on a GPU, which runs ahead of it; measured on
+    # the CPU (course_lib.calibration).
+    layer_overhead_s: float = 0.0
+    layer_update_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     @property
     def ridge_point(self) -> float:
@@ -122,21 +152,6 @@ def find_gpu(name_or_gpu) -> GPU:
     return GPUS[name_or_gpu]
 
 
-# ----------------------------------------------------------------------------- what kernels reach
-#
-# A matmul [M, K] × [K, N] runs at  rate = matmul_share · peak · f(M) · f(N) · f(K),  f(x) = x / (x + x_half):
-# a large GEMM reaches matmul_share of the peak; a dimension of x_half elements halves that (the tile edge of
-# cuBLAS's large Tensor Core kernels is 128 or 256: a dimension smaller than a tile leaves most of each tile, and
-# with it of each SM, idle), 4·x_half costs a fifth, 16·x_half 6%. The curve is a stated smoothing of published
-# benchmark figures (GEMM_SOURCES), not a measurement here: it ignores wave quantization (a last partial wave of
-# tiles) and alignment, which make real curves saw-toothed by up to ~10% around it.
-MATMUL_HALF_DIM = 128
-# A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
-# A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
-HBM_SHARE = 0.85
-# A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
-# this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
-KERNEL_LAUNCH_S = 5e-6
 GEMM_SOURCES = (
     "large bf16 GEMMs: cuBLAS reaches ~70-85% of the A100's 312 TFLOP/s (NVIDIA's 'Matrix Multiplication "
     "Background User's Guide', docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication; "
@@ -150,13 +165,14 @@ GEMM_SOURCES = (
     "were checked against the published runs of course_lib.published, not set per run")
 
 
-def dimension_factor(x: float) -> float:
-    """f(x) = x / (x + MATMUL_HALF_DIM): the share of a large GEMM's rate left by one dimension of size x."""
-    return x / (x + MATMUL_HALF_DIM)
+def dimension_factor(x: float, half_dim: float = MATMUL_HALF_DIM) -> float:
+    """f(x) = x / (x + half_dim): the share of a large GEMM's rate left by one dimension of size x."""
+    return x / (x + half_dim)
 
 
 def matmul_rate(gpu: GPU, m: float, n: float, k: float) -> float:
     """FLOP/s a [m, k] × [k, n] matmul reaches on ``gpu``: matmul_share · peak · f(m)·f(n)·f(k) (see above)."""
     if min(m, n, k) <= 0 or not all(map(math.isfinite, (m, n, k))):
         raise ValueError(f"matmul shape m={m}, n={n}, k={k}: every dimension must be > 0")
-    return gpu.matmul_share * gpu.peak_flops * dimension_factor(m) * dimension_factor(n) * dimension_factor(k)
+    f = [dimension_factor(x, gpu.matmul_half_dim) for x in (m, n, k)]
+    return gpu.matmul_share * gpu.peak_flops * f[0] * f[1] * f[2]

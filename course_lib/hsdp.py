@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from .comm import Comm, wire_bytes
 from .mixed_precision import MixedPrecisionAdam
-from .zero import ZeroDataParallel, wire_bytes_per_step
+from .zero import ZeroDataParallel
+from .zero_bytes import wire_bytes_per_step
 
 
 def hsdp_wire_bytes_per_step(grad_bytes: int, dp_shard: int, dp_replicate: int,

@@ -29,6 +29,7 @@ from .ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
 from .mesh import Mesh
 from .model import ModelConfig
 from .schedules import SCHEDULES, schedule_actions
+from .zero_bytes import check_resharding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 LIMIT = 1 << 20     # the largest micro-batch count or size the course will lay out (a typo, not a run, beyond)
@@ -60,6 +61,8 @@ class Job:
     zero_stage: int | None = None         # None: notebook 02's NaiveDDP; 0-3 ZeroDataParallel (HSDP meshes: 3).
                                           # Megatron: --use-distributed-optimizer is 1; torchtitan's FSDP is 3
     reshard_after_forward: bool = True    # ZeRO-3: free each unit's gathered weights after its forward (FSDP2's)
+    reshard_after_backward: bool = True   # ZeRO-3: False keeps weights and whole gradients across micro-batches,
+                                          # reduced once a step (torch's pipelining with FSDP; course_lib.zero_bytes)
     sequence_parallel: bool = False       # Megatron's SP with TP
     vocab_parallel: bool = False          # embedding, head and loss split by vocabulary over TP
     recompute: str = "none"               # none, selective, full. torchtitan: activation_checkpoint.mode
@@ -187,12 +190,13 @@ class Job:
         if mesh.dp_replicate > 1 and self.zero_stage != 3:
             found.append(f"dp_replicate {mesh.dp_replicate} with zero_stage={self.zero_stage!r}: hybrid sharding is "
                          "ZeRO-3 inside each replica (zero_stage=3)")
-        if not self.reshard_after_forward and mesh.dp_replicate > 1:
-            found.append(f"reshard_after_forward=False with dp_replicate {mesh.dp_replicate}: the course's HSDP "
-                         "reshards after forward (course_lib.hsdp); keep reshard_after_forward=True")
-        if not self.reshard_after_forward and self.zero_stage != 3:
-            found.append(f"reshard_after_forward=False with zero_stage={self.zero_stage!r}: only ZeRO-3 frees "
-                         "weights after forward, so only ZeRO-3 can keep them (zero_stage=3)")
+        if not (self.reshard_after_forward and self.reshard_after_backward) and mesh.dp_replicate > 1:
+            found.append(f"reshard_after_forward/backward=False with dp_replicate {mesh.dp_replicate}: the course's "
+                         "HSDP reshards after forward and backward (course_lib.hsdp); keep both True")
+        try:
+            check_resharding(self.reshard_after_forward, self.zero_stage, self.reshard_after_backward)
+        except ValueError as error:
+            found.append(str(error))
         if mesh.ep > 1 and self.data_parallel:
             found.append(f"ep {mesh.ep} with a data-parallel wrapper: the experts' gradients average over the "
                          "expert_dp group and the rest over dp_cp, and each wrapper averages over one group; pass "

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .hardware import GPU, HBM_SHARE, KERNEL_LAUNCH_S, dimension_factor, matmul_rate
+from .hardware import GPU, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "unfused")
 
@@ -68,10 +68,14 @@ class Operation:
 
 
 def timed(name: str, gpu: GPU, flops: float, nbytes: float, *, rate: float, kernels: int = 1) -> Operation:
-    """max(FLOPs / rate, bytes / achievable HBM bandwidth, kernels × launch), and which of them it was."""
-    limits = {"compute": flops / rate, "memory": nbytes / (HBM_SHARE * gpu.hbm_bytes_per_s),
-              "launch": kernels * KERNEL_LAUNCH_S}
+    """max(FLOPs / rate, bytes / achievable HBM bandwidth, kernels × launch), and which of them it was (on a GPU
+    whose launches add to the work, gpu.launch_adds: the longer of the first two, plus the launches)."""
+    limits = {"compute": flops / rate, "memory": nbytes / (gpu.hbm_share * gpu.hbm_bytes_per_s),
+              "launch": kernels * gpu.launch_s}
     bound = max(limits, key=limits.get)
+    if gpu.launch_adds:
+        work = max(limits["compute"], limits["memory"])
+        return Operation(name, flops, nbytes, work + limits["launch"], bound, kernels)
     return Operation(name, flops, nbytes, limits[bound], bound, kernels)
 
 
@@ -120,7 +124,8 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         flops = forward_flops + 2.5 * square
         io = T * (q_width + kv_width) * e                              # q and k (v and o: the same widths)
         nbytes = 2 * io * (2 if core_again else 1) + 4 * io
-        rate = gpu.attention_share * gpu.peak_flops * dimension_factor(s)
+        rate = gpu.attention_share * gpu.peak_flops * dimension_factor(s, gpu.matmul_half_dim)
+        rate *= dimension_factor(h_d, gpu.attention_half_dim)          # 1 when attention_half_dim is 0
         ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
         ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
                                1.5 / e, full))

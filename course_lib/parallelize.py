@@ -119,4 +119,5 @@ def _data_parallel(stage: nn.Module, job: Job, comms: dict[str, Comm], optimizer
     if job.zero_stage is None:
         return NaiveDDP(stage, comms["dp_cp"])
     return ZeroDataParallel(stage, comms["dp_cp"], zero_stage=job.zero_stage, units=units,
-                            reshard_after_forward=job.reshard_after_forward, **optimizer_kwargs)
+                            reshard_after_forward=job.reshard_after_forward,
+                            reshard_after_backward=job.reshard_after_backward, **optimizer_kwargs)

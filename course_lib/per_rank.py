@@ -38,7 +38,7 @@ from .pipeline_parallel import partition_layers
 from .schedules import SCHEDULES, op_parts, splits_backward
 from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 from .vocab_parallel import vocab_parallel_activation_bytes, vocab_parallel_traffic
-from .zero import transient_weight_bytes, wire_bytes_per_step
+from .zero_bytes import transient_gradient_bytes, transient_weight_bytes, wire_bytes_per_step
 
 
 def _expert_mlp_params(config) -> int:
@@ -114,13 +114,16 @@ def data_parallel_state_bytes(job: Job, stage: int) -> dict[str, int]:
     return {part: sum(state[part] for state in states) for part in states[0]}
 
 
-def transient_bytes_per_rank(job: Job, stage: int) -> int:
-    """Weights held only while a step runs, beyond data_parallel_state_bytes' state at rest: ZeRO-3 gathers each
-    unit (embedding, each layer, final norm, head) whole to run it (zero.transient_weight_bytes: the largest unit
-    when it reshards after forward, every unit of the stage when it keeps them, reshard_after_forward=False);
-    stages 0-2 hold their weights whole anyway: 0. The course's ZeroDataParallel records it (tests/test_zero*)."""
-    if job.zero != 3:
-        return 0
+def transient_bytes_per_rank(job: Job, stage: int) -> dict[str, int]:
+    """Weights and gradients held only while a step runs, beyond data_parallel_state_bytes' state at rest. ZeRO-3
+    gathers each unit (embedding, each layer, final norm, head) whole to run it (zero_bytes.transient_weight_bytes:
+    the largest unit when it reshards after forward, every unit of the stage when it keeps them,
+    reshard_after_forward=False); ZeRO-2 and -3 hold a unit's whole gradients until they reduce-scatter them, every
+    unit's across the micro-batches without resharding after backward (zero_bytes.transient_gradient_bytes);
+    stages 0-1 hold both whole anyway: 0. {"weights", "grads", "total"}; the course's ZeroDataParallel records
+    them (tests/test_zero*)."""
+    if job.zero < 2:
+        return {"weights": 0, "grads": 0, "total": 0}
     config, mesh = job.config, job.mesh
     layer = layer_params(config, mesh.tp, mesh.ep)
     table = config.vocab_size * config.hidden // (mesh.tp if job.vocab_parallel else 1)
@@ -128,7 +131,10 @@ def transient_bytes_per_rank(job: Job, stage: int) -> int:
     units += [table] if stage == 0 else []
     if stage == mesh.pp - 1:
         units += [config.hidden] + ([] if config.tie_embeddings and mesh.pp == 1 else [table])
-    return transient_weight_bytes(units, 3, job.bytes_per_element, job.reshard_after_forward)
+    weights = transient_weight_bytes(units, job.zero, job.bytes_per_element, job.reshard_after_forward,
+                                     reshard_after_backward=job.reshard_after_backward)
+    grads = transient_gradient_bytes(units, job.zero, job.grad_bytes, job.reshard_after_backward)
+    return {"weights": weights, "grads": grads, "total": weights + grads}
 
 
 def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
@@ -139,7 +145,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
     one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step), gradients
     of job.grad_bytes and gathered weights of job.bytes_per_element each. The job's micro-batches are the
     micro-steps of an optimizer step (ZeRO-2 and -3 reduce in each of them; ZeRO-3 gathers twice in each, or once
-    without resharding after forward)."""
+    without resharding after forward; without resharding after backward too, it gathers and reduces once a step)."""
     config, mesh, zero_stage, grad_bytes = job.config, job.mesh, job.zero, job.grad_bytes
     accumulation_steps, num_chunks, vocab_parallel = job.num_microbatches, job.num_chunks, job.vocab_parallel
     replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
@@ -156,9 +162,10 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
                          "ops": {"all_reduce": across}}]
         else:
             name = "dp_cp" if group == mesh.dp * mesh.cp else "expert_dp"
-            reduce = wire_bytes_per_step(count * job.grad_bytes, zero_stage, group, accumulation_steps)
+            resharding = (job.reshard_after_forward, job.reshard_after_backward)
+            reduce = wire_bytes_per_step(count * job.grad_bytes, zero_stage, group, accumulation_steps, *resharding)
             gather = wire_bytes_per_step(count * job.bytes_per_element, zero_stage, group, accumulation_steps,
-                                         reshard_after_forward=job.reshard_after_forward)
+                                         *resharding)
             ops = {op: (gather if op == "all_gather" else reduce)[op] for op in reduce}
             traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp, "ops": ops})
     return traffic

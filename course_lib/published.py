@@ -2,8 +2,9 @@
 
 Sixteen runs from three sources, two GPU generations, 1.7B to 1T parameters, one node to 16,384 GPUs. The model
 is the same for all of them: one set of constants (hardware.py's catalogue and GEMM curve, kernel_times.py's byte
-counts), nothing set per run. What differs per run is the layout, and only as the source states it; where a
-source is silent the same assumption is made for every run (micro-batch 1, no interleaving, no DP overlap).
+counts), nothing set per run. What differs per run is the layout, and only as the source states it (for
+Narayanan et al., in the paper's own launch scripts); where a source is silent the same assumption is made for
+every run (micro-batch 1, no interleaving, no DP overlap).
 
     source                       runs   GPUs          reports   kernels
     Narayanan et al. 2021        10     A100 80GB     HFU       unfused attention, full recomputation
@@ -11,14 +12,29 @@ source is silent the same assumption is made for every run (micro-batch 1, no in
     Llama 3 (Grattafiori 2024)    2     H100 SXM      MFU       FlashAttention, no recomputation
 
 compare_published() gives each row; tests/test_cost.py holds each within 5 points of the published figure and
-checks that both papers' rises with model size come out of the model.
+checks that both papers' rises with model size come out of the model. Those sixteen were in view while the
+constants were chosen. Two more sets were not:
+
+    llm_foundry_runs()   203   MPT 125M-70B, FSDP on 8-512 A100 40/80GB and H100, 512-65,536 tokens, with and
+                               without activation checkpointing (published_data/llm_foundry.csv: each README
+                               row as printed). Two choices were made on it, each with evidence of its own: the
+                               network as NCCL drives it across nodes (cost.link_for: rail-optimised rings), and
+                               MPT's attention kernel ('flash-whole-square', LLM_FOUNDRY_ASSUMED)
+    torchtitan_runs()      6   Llama 2 and 3 with FSDP2 on 64 A100 80GB: held out, no choice made on them
+
+error_by_regime() groups the errors by GPU, size, sequence length and recomputation (notebook 09 draws them;
+tests/test_published.py holds the counts).
 """
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
-from .cost import ASSUMPTIONS, step_time
+from .cost import ASSUMPTIONS, flops_per_step, step_time
+from .hardware import find_gpu
 from .job import Job
 from .mesh import Mesh
 from .model import ModelConfig, preset
@@ -62,28 +78,37 @@ NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Train
              "Megatron-LM' (arXiv:2104.04473), Table 1: GPT, vocabulary 51,200, sequence 2,048, mixed precision "
              "on Selene (DGX A100 80GB, 8 x 200 Gb/s HDR per node); teraFLOP/s per GPU by their eq. 3, which "
              "counts the recomputed forward (activation recomputation: hardware FLOPs), as % of 312")
-NARAYANAN_ASSUMED = ("micro-batch 1 and no interleaving (v = 1): Table 1 gives neither; m = batch / DP; the "
-                     "gradients all-reduced in 16 bits after backward, not overlapped (Megatron-LM of 2021: no "
-                     "distributed optimizer); pipeline sends with their scatter/gather (4.1), not overlapped; "
-                     "Megatron's unfused attention with dropout (FlashAttention came a year later)")
-# (params in billions, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU, % of peak)
-TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
-           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
-           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
-           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
-           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52)]
+SC21_SCRIPTS = ("the paper's launch scripts, Megatron-LM examples/sc21/run_table_1.sh (commit 6985e58938d4, "
+                "pinned by their README; later examples/academic_paper_scripts/sc21): micro-batch sizes, "
+                "--num-layers-per-virtual-pipeline-stage (interleaving), full recomputation of every layer "
+                "(--activations-checkpoint-method uniform), fp16")
+NARAYANAN_ASSUMED = ("m = batch / (DP · micro-batch); the gradients all-reduced in 16 bits after backward, not "
+                     "overlapped (Megatron-LM of 2021: no distributed optimizer); pipeline sends with their "
+                     "scatter/gather (4.1, on by default in the scripts), not overlapped; Megatron's unfused "
+                     "attention with dropout (FlashAttention came a year later)")
+# (params in billions, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU, % of peak, and from the
+# scripts: micro-batch, interleaving v = layers per stage / --num-layers-per-virtual-pipeline-stage, or 1)
+TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 16, 1), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 16, 1),
+           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 16, 1), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 8, 1),
+           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 4, 1), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 2, 3),
+           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 2, 2),
+           (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 1, 2),
+           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 1, 3),
+           (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 1, 1)]
 
 
-def narayanan_run(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, percent) -> PublishedRun:
+def narayanan_run(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, percent, b, v) -> PublishedRun:
     dp = gpus // (tp * pp)
     return PublishedRun(
         f"Megatron-LM GPT {params}B, {gpus:,} A100 (Narayanan et al. 2021)",
         gpt_config(hidden=hidden, num_layers=layers, num_heads=heads), "A100 80GB", Mesh(dp=dp, tp=tp, pp=pp),
-        dict(seq_len=2048, micro_batch_size=1, num_microbatches=batch // dp, recompute="full", zero_stage=0,
-             attention="unfused", scatter_gather=True, vocab_parallel=True),
+        dict(seq_len=2048, micro_batch_size=b, num_microbatches=batch // (dp * b), num_chunks=v,
+             schedule="interleaved" if v > 1 else "1f1b", recompute="full", zero_stage=0, attention="unfused",
+             scatter_gather=True, vocab_parallel=True),
         "hfu", tflops / 312,
         f"{NARAYANAN}: {params}B, {heads} heads, hidden {hidden:,}, {layers} layers, TP {tp}, PP {pp}, {gpus:,} "
-        f"GPUs, batch {batch:,}: {tflops} teraFLOP/s per GPU, {percent}% of peak",
+        f"GPUs, batch {batch:,}: {tflops} teraFLOP/s per GPU, {percent}% of peak; {SC21_SCRIPTS}: micro-batch {b}"
+        + (f", interleaved over v = {v} chunks" if v > 1 else ", no interleaving"),
         NARAYANAN_ASSUMED)
 
 
@@ -151,11 +176,114 @@ PUBLISHED_RUNS = [narayanan_run(*row) for row in TABLE_1] + [korthikanti_run(*ro
 # catalogue, with a 2-D sharding that is no dp × tp × pp grid; Llama 3's 131K-token row needs context parallelism.
 
 
-def compare_published() -> list[dict]:
-    """step_time on each published run: ours beside theirs, in points of MFU (or HFU where that is what the
-    source reports), with the step's split."""
+LLM_FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md (commit 8c8dd48f): MPT models 125M to "
+               "70B trained with FSDP FULL_SHARD (ZeRO-3 over every GPU, no TP or PP), bf16, 8 to 512 A100 40GB, "
+               "A100 80GB (8 x 200 Gb/s RoCE per node) or H100 80GB; MFU = (6N + 12·L·d·s)·sequences/s / (GPUs · "
+               "peak), attention's whole square counted (the README's formula, the course's count)")
+LLM_FOUNDRY_ASSUMED = ("MPT's shapes from llm-foundry's yamls (its 4d GeLU MLP as the course's SwiGLU of the same "
+                       "FLOPs; LayerNorm as RMSNorm); attention: MPT's ALiBi runs only on its Triton or torch "
+                       "attention, not FlashAttention-2 (llm-foundry's configuration_mpt: 'alibi only implemented "
+                       "with torch and triton attention'), and no benchmark of that kernel was found: it is timed "
+                       "at FlashAttention-2's share on the whole causal square ('flash-whole-square', no skipped "
+                       "half), an assumption the long-sequence rows bear on most; activation checkpointing 'True' "
+                       "as full recomputation; H100 as the SXM card; resharded after forward (FSDP's default); half "
+                       "the DP traffic hidden (the planner's dp_overlap)")
+LLM_FOUNDRY_FILE = Path(__file__).with_name("published_data") / "llm_foundry.csv"
+
+
+def llm_foundry_runs() -> list[PublishedRun]:
+    """Every bf16 FULL_SHARD row of llm-foundry's benchmark tables (published_data/llm_foundry.csv holds each
+    README row verbatim beside the fields read from it): runs the step-time model was not shaped beside."""
+    runs = []
+    with LLM_FOUNDRY_FILE.open() as rows:
+        for row in csv.DictReader(rows):
+            seq_len, gpus, b = int(row["seq_len"]), int(row["gpus"]), int(row["micro_batch_size"])
+            config = dataclasses.replace(gpt_config(hidden=int(row["hidden"]), num_layers=int(row["num_layers"]),
+                                                    num_heads=int(row["num_heads"]), seq_len=seq_len),
+                                         vocab_size=int(row["vocab_size"]))
+            layout = dict(seq_len=seq_len, micro_batch_size=b,
+                          num_microbatches=int(row["global_batch_size"]) // (gpus * b), zero_stage=3,
+                          recompute=row["activation_checkpointing"], dp_overlap=0.5, attention="flash-whole-square")
+            runs.append(PublishedRun(
+                f"MPT-{row['model'].split('-')[1]}, {gpus} {row['gpu']}, s {seq_len:,}, b {b}"
+                + (", recompute" if row["activation_checkpointing"] == "full" else ""),
+                config, row["gpu"], Mesh(dp=gpus), layout, "mfu", float(row["mfu_percent"]) / 100,
+                f"{LLM_FOUNDRY}: section '{row['section']}', row {row['readme_row']}", LLM_FOUNDRY_ASSUMED))
+    return runs
+
+
+TORCHTITAN = ("torchtitan, docs/performance.md (commit 1ea476e9f): Llama 2 and Llama 3 trained with FSDP2 (ZeRO-3 "
+              "over all 64 A100 80GB, no TP or PP), bf16 parameters with fp32 reduction, global batch = local "
+              "batch x 64; WPS = tokens per second per GPU. Compared here by WPS, turned into MFU with the "
+              "course's FLOP count (theirs counts 6N with the embedding table, which is no matmul)")
+TORCHTITAN_ASSUMED = ("sequence from each model's train_configs toml (Llama 3: 8,192; Llama 2: 4,096); 'selective "
+                      "op' as selective recomputation; FlashAttention-2 through SDPA, skipping the causal half; "
+                      "resharded after forward; half the DP traffic hidden (the planner's dp_overlap). The "
+                      "'selective layer' rows (every second layer recomputed whole) are left out: no Job option "
+                      "says it")
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                        intermediate=14336, max_seq_len=8192, rope_theta=500000.0)
+LLAMA3_70B = dataclasses.replace(preset("llama2-70b"), vocab_size=128256, max_seq_len=8192, rope_theta=500000.0)
+LLAMA2_13B = ModelConfig(vocab_size=32000, hidden=5120, num_layers=40, num_heads=40, num_kv_heads=40,
+                         intermediate=13824, max_seq_len=4096)
+# (model, config, sequence, local batch, recomputation, WPS, the table's row as printed)
+TORCHTITAN_A100 = [
+    ("Llama 3 8B", LLAMA3_8B, 8192, 1, "selective", 2973, "| 8B | 1 | selective op | 2973 | 58.2% |"),
+    ("Llama 3 70B", LLAMA3_70B, 8192, 1, "full", 331, "| 70B | 1 | full | 331 | 51.7% |"),
+    ("Llama 2 13B", LLAMA2_13B, 4096, 2, "none", 2162, "| 13B | 2 | no | 2162 | 61.1%	|"),
+    ("Llama 2 13B", LLAMA2_13B, 4096, 2, "selective", 1904, "| 13B | 2 | selective op | 1904 | 53.8% |"),
+    ("Llama 2 70B", preset("llama2-70b"), 4096, 1, "selective", 355, "| 70B | 1[^1] | selective op | 355 | 50.8% |"),
+    ("Llama 2 70B", preset("llama2-70b"), 4096, 2, "full", 353, "| 70B | 2 | full | 353 | 50.5% |"),
+]
+
+
+def torchtitan_runs() -> list[PublishedRun]:
+    """torchtitan's FSDP2 rows on 64 A100 80GB: runs no choice of the model was made on (held out)."""
+    runs = []
+    for name, config, seq_len, b, recompute, wps, line in TORCHTITAN_A100:
+        per_token = flops_per_step(config, batch_size=1, seq_len=seq_len).model / seq_len
+        runs.append(PublishedRun(
+            f"{name}, 64 A100 80GB, s {seq_len:,}, b {b}, recompute {recompute} (torchtitan)", config,
+            "A100 80GB", Mesh(dp=64), dict(seq_len=seq_len, micro_batch_size=b, zero_stage=3, recompute=recompute,
+                                           dp_overlap=0.5),
+            "mfu", wps * per_token / find_gpu("A100 80GB").peak_flops,
+            f"{TORCHTITAN}: {line}", TORCHTITAN_ASSUMED))
+    return runs
+
+
+def regime(run: PublishedRun) -> str:
+    """The regime a run belongs to, for the error by regime: GPU, model size, sequence length, recomputation."""
+    size = "≤ 1B" if run.config.hidden <= 1536 else "> 1B"
+    tokens = "s ≥ 16k" if run.layout["seq_len"] >= 16384 else "s < 16k"
+    recompute = "recompute" if run.layout.get("recompute", "none") != "none" else "no recompute"
+    return f"{run.gpu.split()[0]}, {size}, {tokens}, {recompute}"
+
+
+def error_by_regime(rows: list[dict], runs: list[PublishedRun]) -> dict[str, dict]:
+    """compare_published's rows grouped by regime(): how many, the mean, least and largest error in points, and
+    how many land within 5 points."""
+    groups: dict[str, list[float]] = {}
+    for row, run in zip(rows, runs):
+        groups.setdefault(regime(run), []).append(row["points"])
+    return {name: {"runs": len(points), "mean": sum(points) / len(points), "min": min(points), "max": max(points),
+                   "within_5": sum(abs(p) <= 5 for p in points)} for name, points in sorted(groups.items())}
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's ρ: 1 - 6·Σd² / (n(n² - 1)), d the gap between each pair's ranks (ties broken by order): 1 when
+    the two lists put the runs in the same order."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        return {index: rank for rank, index in enumerate(order)}
+    rx, ry, n = ranks(xs), ranks(ys), len(xs)
+    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
+    """step_time on each published run (default: the sixteen above): ours beside theirs, in points of MFU (or HFU
+    where that is what the source reports), with the step's split."""
     rows = []
-    for run in PUBLISHED_RUNS:
+    for run in PUBLISHED_RUNS if runs is None else runs:
         step = step_time(run.job, **run.assumptions)
         ours = getattr(step, run.metric)
         rows.append({"name": run.name, "metric": run.metric, "theirs": run.reported, "ours": ours,

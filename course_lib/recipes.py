@@ -3,7 +3,8 @@
 A layout is a mesh (dp × tp × pp), a ZeRO stage over dp and the number of micro-batches the workload gives it.
 Its busiest GPU holds
 
-    state (per_rank.data_parallel_state_bytes; ZeRO-3: one layer gathered whole beside the shards)
+    state (per_rank.data_parallel_state_bytes, and per_rank.transient_bytes_per_rank: what ZeRO-2/3 hold only
+    while a step runs, ZeRO-3's gathered unit and a unit's whole gradients)
   + activations (per_rank.activation_bytes_per_rank: 1F1B keeps p - s micro-batches in flight on stage s;
     interleaved over v chunks, stage 0 holds 1 + (p - 1)/(p·v) times as much)
   + a reserve (RESERVE_SHARE of the card: the caching allocator's fragmentation, NCCL's buffers, cuBLAS
@@ -18,11 +19,13 @@ recipes and keeps the best of each; ``plan`` (course_lib/plan.py) asks its quest
     FSDP + TP           TP inside the node, ZeRO-3 over the rest
     TP + PP + ZeRO-1    Megatron-LM's: TP inside the node, a pipeline (1F1B, or interleaved over v = 2 chunks when
                         that is faster and fits), ZeRO-1 over dp
-    TP + PP + FSDP      Llama 3's and torchtitan's: the same cuts with ZeRO-3 over dp. The course's ZeRO-3 gathers
-                        each layer's weights for every micro-batch and reduce-scatters its gradients every
-                        micro-batch (2m all-gathers and m reduce-scatters a step, cost.step_time); Llama 3 keeps
-                        the weights gathered between micro-batches instead, which costs the traffic and the
-                        memory of ZeRO-1 (the weights and gradients whole for the step, the rest sharded).
+    TP + PP + FSDP      Llama 3's and torchtitan's: the same cuts with ZeRO-3 over dp, run as torch's pipelining
+                        runs FSDP: no resharding between micro-batches (reshard_after_forward and
+                        reshard_after_backward False; torchtitan: reshard_after_forward = not pp_enabled), so each
+                        stage gathers its weights once and reduce-scatters its gradients once a step, for holding
+                        them whole for the step (course_lib.zero_bytes). Where that does not fit, the course's
+                        resharding ZeRO-3 (RESHARDING_FSDP: 2m all-gathers and m reduce-scatters a step, one unit
+                        gathered at a time), printed as "resharding every micro-batch".
 """
 
 from __future__ import annotations
@@ -33,20 +36,23 @@ from .cost import StepTime, step_time
 from .job import Job
 from .ledger import CONVENTIONS, RECOMPUTE
 from .mesh import Mesh
-from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params
+from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params, transient_bytes_per_rank
 from .runtime.arguments import check_whole
 from .tensor_parallel import check_tp_divisible
 from .units import GiB, MiB
 
 RESERVE_SHARE = 0.10   # of each GPU's memory, kept free for what no formula here counts (question 4)
 RECIPES = ("data parallel", "ZeRO-3 / FSDP", "FSDP + TP", "TP + PP + ZeRO-1", "TP + PP + FSDP")
+PIPELINED_FSDP = {"reshard_after_forward": False, "reshard_after_backward": False}   # torch's pipelining
+RESHARDING_FSDP = {"reshard_after_forward": True, "reshard_after_backward": True}    # the course's ZeRO-3
 
 
 @dataclass(frozen=True)
 class Workload:
     """What one training step processes: ``global_batch_size`` sequences of ``seq_len`` tokens (None: the
     model's max_seq_len), in micro-batches of ``micro_batch_size`` per data-parallel rank. 1,024 sequences of
-    4,096 tokens is Llama 2's 4M-token batch."""
+    4,096 tokens is Llama 2's 4M-token batch. ``template``: a Job whose other options every layout carries (a new
+    Job field too); Workload.from_job(job) takes a job's batch and options at once."""
     seq_len: int | None = None
     micro_batch_size: int = 1
     global_batch_size: int = 1024
@@ -54,6 +60,16 @@ class Workload:
     sequence_parallel: bool = False
     vocab_parallel: bool = False      # embedding, head and loss split over TP (course_lib.vocab_parallel)
     fused_norm: bool = True           # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
+    template: Job | None = None       # the job the layouts start from (the planner sets the fields job() names)
+
+    @classmethod
+    def from_job(cls, job: Job, global_batch_size: int | None = None) -> Workload:
+        """``job``'s sequences, micro-batch size, recomputation and splits, and every other field it sets, as the
+        workload to plan for (global batch: ``global_batch_size``, or the job's own, dp·m·b)."""
+        return cls(seq_len=job.tokens_per_sequence, micro_batch_size=job.micro_batch_size,
+                   global_batch_size=global_batch_size or job.global_batch_size, recompute=job.recompute,
+                   sequence_parallel=job.sequence_parallel, vocab_parallel=job.vocab_parallel,
+                   fused_norm=job.fused_norm, template=job)
 
     def __post_init__(self):
         check_whole("micro_batch_size", self.micro_batch_size)
@@ -74,19 +90,22 @@ class Workload:
                    "RMSNorm as F.rms_norm on the CPU (fp32 copies of its input and of x·rstd)"))
 
     def job(self, config, mesh: Mesh, zero_stage: int, *, convention: str = "mixed", num_chunks: int = 1,
-            gpu: str | None = None, gpus_per_node: int = 8) -> Job:
+            gpu: str | None = None, gpus_per_node: int = 8, **options) -> Job:
         """This workload on ``mesh`` as one Job (m = B / (dp · b), which must be whole: num_microbatches), with the
-        convention's dtype (16-bit weights: bf16) and 1F1B, or interleaved 1F1B over ``num_chunks`` v > 1."""
+        convention's dtype (16-bit weights: bf16) and 1F1B, or interleaved 1F1B over ``num_chunks`` v > 1, from
+        the template's other fields; ``options``: more Job fields (a recipe's, e.g. PIPELINED_FSDP)."""
         m = self.num_microbatches(mesh.dp)
         if m is None:
             raise ValueError(f"global_batch_size={self.global_batch_size} does not split into micro-batches of "
                              f"{self.micro_batch_size} over dp {mesh.dp}")
         dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
-        return Job(config, mesh, seq_len=self.seq_len or config.max_seq_len, micro_batch_size=self.micro_batch_size,
-                   num_microbatches=m, zero_stage=zero_stage, sequence_parallel=self.sequence_parallel,
-                   vocab_parallel=self.vocab_parallel, recompute=self.recompute, num_chunks=num_chunks,
-                   schedule="interleaved" if num_chunks > 1 else "1f1b", dtype=dtype, convention=convention,
-                   fused_norm=self.fused_norm, gpu=gpu, gpus_per_node=gpus_per_node)
+        base = Job(config) if self.template is None else self.template.replace(config=config)
+        return base.replace(mesh=mesh, seq_len=self.seq_len or config.max_seq_len,
+                            micro_batch_size=self.micro_batch_size, num_microbatches=m, zero_stage=zero_stage,
+                            sequence_parallel=self.sequence_parallel, vocab_parallel=self.vocab_parallel,
+                            recompute=self.recompute, num_chunks=num_chunks,
+                            schedule="interleaved" if num_chunks > 1 else "1f1b", dtype=dtype, convention=convention,
+                            fused_norm=self.fused_norm, gpu=gpu, gpus_per_node=gpus_per_node, **options)
 
     def num_microbatches(self, dp: int) -> int | None:
         """m = B / (dp · b), or None if the global batch does not split into whole micro-batches."""
@@ -105,6 +124,7 @@ class Layout:
     gpu_bytes: int
     time: StepTime
     num_chunks: int = 1       # v > 1: interleaved 1F1B over v chunks of layers per GPU
+    job: Job | None = None    # the whole job this layout costs (run it: virtual.run_rank(layout.job, rank))
 
     @property
     def fits(self) -> bool:
@@ -114,6 +134,8 @@ class Layout:
         m, mem = self.mesh, self.memory
         zero = "no dp" if m.dp == 1 else stage_name(self.zero_stage)
         recipe = self.recipe + (" (no pipeline)" if self.recipe == "TP + PP + ZeRO-1" and m.pp == 1 else "")
+        if self.recipe == "TP + PP + FSDP" and self.job is not None and self.job.reshard_after_backward:
+            recipe += " (resharding every micro-batch)"
         chunks = f" (interleaved, v = {self.num_chunks})" if self.num_chunks > 1 else ""
         return (f"{recipe}: dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {self.num_microbatches}: "
                 f"{size_text(mem['total'])} of {size_text(self.gpu_bytes)} (state {size_text(mem['state'])} + activations "
@@ -161,31 +183,44 @@ def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
 
 
 def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> int:
-    """The fullest GPU's training state, plus, with ZeRO-3, one layer gathered whole beside its shards."""
-    extra = gathered_layer_bytes(config, mesh.tp, convention) if stage == 3 else 0
-    return state_per_gpu(config, mesh, stage, convention)["total"] + extra
+    """The fullest GPU's training state, with what ZeRO-2/3 hold while a step runs (ZeRO-3: a unit gathered whole
+    beside the shards, and its whole gradients: per_rank.transient_bytes_per_rank)."""
+    dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
+    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype)
+    return max(data_parallel_state_bytes(job, s)["total"] + transient_bytes_per_rank(job, s)["total"]
+               for s in range(mesh.pp))
 
 
 def memory_per_gpu(config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
-                   convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
-                   num_chunks: int = 1) -> dict[str, int]:
-    """Question 4 for one layout: {"state", "activations", "reserve", "total"} bytes on its busiest GPU.
+                   convention: str = "mixed", reserve_share: float = RESERVE_SHARE, num_chunks: int = 1,
+                   **options) -> dict[str, int]:
+    """Question 4 for one layout: {"state", "activations", "reserve", "total"} bytes on its busiest GPU of the
+    job ``workload.job`` makes (``options``: more Job fields, as a recipe's).
 
-    state: need_per_gpu of the GPU's stage (ZeRO-3: one layer gathered beside the shards); activations:
+    state: per_rank.data_parallel_state_bytes of the GPU's stage and per_rank.transient_bytes_per_rank (ZeRO-3: a
+    unit gathered beside the shards; without resharding, the stage's weights and gradients whole); activations:
     per_rank.activation_bytes_per_rank's peak for that stage under 1F1B (interleaved 1F1B over ``num_chunks``
     v > 1), in the convention's 16- or 32-bit dtype;
     reserve: ``reserve_share`` of the card. The busiest GPU is the stage with the largest sum (stage 0 holds the
     most micro-batches, the last stage the head)."""
-    job = workload.job(config, mesh, zero_stage, convention=convention, num_chunks=num_chunks)
-    stages = []
-    for stage in range(mesh.pp):
-        state = state_per_gpu(config, mesh, zero_stage, convention, stage, workload.vocab_parallel, num_chunks)["total"]
-        state += gathered_layer_bytes(config, mesh.tp, convention) if zero_stage == 3 else 0
-        activations = activation_bytes_per_rank(job, stage)["peak"]
-        stages.append({"state": state, "activations": activations})
+    job = workload.job(config, mesh, zero_stage, convention=convention, num_chunks=num_chunks, **options)
+    stages = [{"state": data_parallel_state_bytes(job, stage)["total"] + transient_bytes_per_rank(job, stage)["total"],
+               "activations": activation_bytes_per_rank(job, stage)["peak"]} for stage in range(mesh.pp)]
     busiest = max(stages, key=lambda parts: parts["state"] + parts["activations"])
     reserve = int(reserve_share * gpu_bytes)
     return {**busiest, "reserve": reserve, "total": busiest["state"] + busiest["activations"] + reserve}
+
+
+def memory_parts(job: Job, memory: dict[str, int]) -> dict[str, int]:
+    """``memory`` (memory_per_gpu of ``job``) part by part, as plots.memory_bars draws it: the state of the stage
+    it counted as weights, grads and optimizer state, what ZeRO-2/3 hold only while stepping (gathered weights,
+    whole gradients) added to the weights and grads, then the activations and the reserve."""
+    for stage in range(job.mesh.pp):
+        state, held = data_parallel_state_bytes(job, stage), transient_bytes_per_rank(job, stage)
+        if state["total"] + held["total"] == memory["state"]:
+            return {"weights": state["weights"] + held["weights"], "grads": state["grads"] + held["grads"],
+                    "optimizer": state["optimizer"], "activations": memory["activations"], "reserve": memory["reserve"]}
+    raise ValueError(f"no stage of {job.mesh} holds {memory['state']} bytes of state: memory is not this job's")
 
 
 def _divisors(n: int) -> list[int]:
@@ -194,8 +229,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(config, num_gpus: int, node: int):
     """(recipe, mesh, ZeRO stages to try, lowest first) for every grid the five recipes allow: TP degrees that
-    divide the node and the heads, pipelines no deeper than the layers. Megatron-style TP + PP + ZeRO-1 includes
-    pp = 1 (TP and ZeRO-1 alone), which Layout prints as "(no pipeline)"."""
+    divide the node and the heads, pipelines no deeper than the layers.
+    Megatron-style TP + PP + ZeRO-1 includes pp = 1 (TP and ZeRO-1 alone), which Layout prints as "(no pipeline)"."""
     for tp in [t for t in _divisors(node) if tp_splits_heads(config, t)]:
         for pp in [p for p in _divisors(num_gpus // tp) if p <= config.num_layers]:
             mesh = Mesh(dp=num_gpus // (tp * pp), tp=tp, pp=pp)
@@ -208,6 +243,29 @@ def candidate_layouts(config, num_gpus: int, node: int):
             yield "TP + PP + ZeRO-1", mesh, (1,)
             if pp > 1 and mesh.dp > 1:         # (with dp 1 there is nothing to shard: it is the recipe above)
                 yield "TP + PP + FSDP", mesh, (3,)
+
+
+def resharding_choices(mesh: Mesh, zero_stage: int) -> list[dict[str, bool]]:
+    """The Job options to try, least traffic first: ZeRO-3 beside a pipeline as torch's pipelining runs it
+    (PIPELINED_FSDP), then the course's resharding ZeRO-3; nothing to choose otherwise."""
+    return [PIPELINED_FSDP, RESHARDING_FSDP] if zero_stage == 3 and mesh.pp > 1 and mesh.dp > 1 else [{}]
+
+
+def cost_layout(recipe: str, config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
+                num_chunks: int = 1, gpu="A100 80GB", gpus_per_node: int = 8, convention: str = "mixed",
+                reserve_share: float = RESERVE_SHARE, dp_overlap: float = 0.5) -> Layout:
+    """One layout, its busiest GPU's memory (memory_per_gpu) and its step time (cost.step_time, ``dp_overlap`` of
+    the DP traffic hidden), with the first of resharding_choices that fits (the last if none does)."""
+    for options in resharding_choices(mesh, zero_stage):
+        memory = memory_per_gpu(config, mesh, zero_stage, workload, gpu_bytes=gpu_bytes, convention=convention,
+                                reserve_share=reserve_share, num_chunks=num_chunks, **options)
+        job = workload.job(config, mesh, zero_stage, convention=convention, num_chunks=num_chunks, gpu=gpu,
+                           gpus_per_node=gpus_per_node, **options)
+        layout = Layout(recipe, mesh, zero_stage, job.num_microbatches, memory, gpu_bytes,
+                        step_time(job, dp_overlap=dp_overlap), num_chunks, job)
+        if layout.fits:
+            break
+    return layout
 
 
 def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
@@ -233,13 +291,10 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
             continue                         # the global batch does not split over this many replicas
         for num_chunks in chunk_choices(config, mesh, m):
             for stage in stages:
-                memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=gpu_bytes, convention=convention,
-                                        reserve_share=reserve_share, num_chunks=num_chunks)
-                job = workload.job(config, mesh, stage, convention=convention, num_chunks=num_chunks, gpu=gpu,
-                                   gpus_per_node=gpus_per_node)
-                time = step_time(job, dp_overlap=dp_overlap)
-                layout = Layout(recipe, mesh, stage, m, memory, gpu_bytes, time, num_chunks)
-                if layout.fits or stage == stages[-1]:
+                layout = cost_layout(recipe, config, mesh, stage, workload, gpu_bytes=gpu_bytes, num_chunks=num_chunks,
+                                     gpu=gpu, gpus_per_node=gpus_per_node, convention=convention,
+                                     reserve_share=reserve_share, dp_overlap=dp_overlap)
+                if layout.fits:
                     break                    # the lowest ZeRO stage that fits: least traffic
             old = best.get(recipe)
             if old is None or (layout.fits, layout.time.tokens_per_s if layout.fits else -layout.memory["total"]) > (

@@ -137,7 +137,7 @@ def run_rank(job: Job, rank: int) -> dict:
     state_bytes, activation_bytes_peak,
     activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis, per op: counts; "cp" and
     "ep" when those degrees are > 1), measured / computed, formulas (:func:`formulas`: the same numbers, and
-    ZeRO-3's transient_bytes, which meta tensors cannot show: tests/test_zero.py measures them), seconds."""
+    ZeRO-2/3's transient_bytes, which meta tensors cannot show: tests/test_zero_reshard.py measures them), seconds."""
     start = time.perf_counter()
     job = check_job(job.replace(data_parallel=job.mesh.ep == 1))   # ep > 1: no wrapper averages two groups
     job.stage_of(rank)                  # a rank outside the mesh: the mesh's one-line error, before any group
@@ -298,7 +298,7 @@ def format_result(result: dict) -> str:
     lines.append("state, GiB")
     for part in ("weights", "grads", "optimizer", "total"):
         row(part, result["state_bytes"][part], formula["state_bytes"][part], 2**30, how)
-    row("while stepping (ZeRO-3)", None, formula["transient_bytes"], 2**30, "formula (tests/test_zero.py measures)")
+    row("while stepping (ZeRO-2/3)", None, formula["transient_bytes"]["total"], 2**30, "formula (test_zero_reshard)")
     lines.append("activations, GiB")
     row("per micro-batch", result["activation_bytes_per_microbatch"], formula["activation_bytes_per_microbatch"],
         2**30, "measured")
@@ -328,6 +328,7 @@ SWITCH_HELP = {
     "vocab_parallel": "split the embedding, head and loss by vocabulary over TP",
     "reshard_after_forward": "ZeRO-3 frees each unit's gathered weights after its forward (FSDP2's default); "
                              "--no-reshard-after-forward keeps them until its backward: half the all-gathers",
+    "reshard_after_backward": "--no-reshard-after-backward too: gather and reduce once a step (torch's pipelining)",
     "fused_norm": "count RMSNorm as a fused GPU kernel saves it (--no-fused-norm: as F.rms_norm on the CPU)",
 }
 NOT_SWITCHES = {"data_parallel"}     # set by the virtual cluster itself (run_rank)

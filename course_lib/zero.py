@@ -9,38 +9,8 @@ what PyTorch's FSDP does). With w, g, o bytes per parameter (mixed-precision Ada
     stage 0  (w + g + o)·P          stage 2  w·P + (g + o)·P/N
     stage 1  (w + g)·P + o·P/N      stage 3  (w + g + o)·P/N        (either reshard_after_forward)
 
-That is the state at rest, between steps. While a step runs, stage 3 also holds the weights it has gathered
-(transient_weight_bytes, with W_u = w·N·ceil(P_u/N) the bytes of unit u's gathered flat buffer):
-
-    stages 0-2                               0           (their weights are whole already)
-    stage 3                                  max_u W_u   (one unit gathered at a time, never two)
-    stage 3, reshard_after_forward=False     Σ_u W_u     (every unit at the end of forward: the whole model)
-
-Bytes each rank sends per step on a ring (comm.py), Ψ = bytes of all the gradients (= of all the weights):
-
-    stage 0    all-reduce the gradients                              2Ψ·(N-1)/N
-    stage 1, 2 reduce-scatter the gradients, all-gather the weights   Ψ·(N-1)/N + Ψ·(N-1)/N = 2Ψ·(N-1)/N
-    stage 3    all-gather weights for forward, again for backward,
-               reduce-scatter the gradients                          3Ψ·(N-1)/N, 1.5 x stage 0
-    stage 3    reshard_after_forward=False: gather for forward only  2Ψ·(N-1)/N, as stage 0
-
-An all-reduce *is* a reduce-scatter followed by an all-gather; stages 1 and 2 do the two halves at different
-moments (gradients before the update, weights after it) and keep only their shard in between: memory saved for
-no extra bytes. Stage 3 throws each layer's weights away after use, so it gathers them twice. Unless told not
-to: ``reshard_after_forward=False`` (torch FSDP2's name, ``fully_shard(..., reshard_after_forward=False)``; FSDP1's
-SHARD_GRAD_OP) keeps each unit's weights gathered from its forward until its backward is done, trading the
-second all-gather for holding the whole model's weights at the end of forward (the table above). Megatron and
-DeepSpeed have no direct switch for it (DeepSpeed's closest: ``stage3_max_reuse_distance``, which keeps a
-gathered parameter that will be used again soon, and ZeRO++'s hpZ, which gathers backward's copy from a
-secondary shard inside the node).
-
-With gradient accumulation over A micro-steps (all but the last inside ``no_sync()``, as with DDP) the stages
-part ways. Stages 0 and 1 keep full gradients, add the micro-steps into them locally and reduce once per
-optimizer step. Stage 2 keeps only its shard of the gradients, so it must reduce-scatter after every micro-step;
-stage 3 also gathers the weights for every micro-step's forward and backward. Per optimizer step:
-
-    stage 0, 1   2Ψ·(N-1)/N          stage 2   (A + 1)·Ψ·(N-1)/N          stage 3   3A·Ψ·(N-1)/N
-    stage 3, reshard_after_forward=False   2A·Ψ·(N-1)/N  (A all-gathers, not 2A; A reduce-scatters)
+That is the state at rest, between steps. What a rank holds while a step runs and what it sends, stage by
+stage, with and without gradient accumulation and resharding, is in course_lib/zero_bytes.py, with its formulas.
 
 How it is built. The parameters are grouped into units (default_units: embed, each block, norm, head: the
 modules FSDP would wrap). Each unit's parameters move into one flat buffer of N·S elements, S = ceil(P_u/N),
@@ -70,10 +40,11 @@ import time
 import torch
 import torch.nn as nn
 
-from .comm import Comm, wire_bytes
-from .ledger import ZERO_STAGES, check_zero_stage
+from .comm import Comm
+from .ledger import ZERO_STAGES
 from .measure import measure_state_bytes
 from .mixed_precision import MixedPrecisionAdam
+from .zero_bytes import check_resharding
 
 STAGES = ZERO_STAGES
 
@@ -93,58 +64,6 @@ def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] 
     """Σ over units of world_size·ceil(P_u/world_size): the parameters ZeroDataParallel stores, padding included."""
     units = default_units(model) if units is None else units
     return sum(-(-sum(p.numel() for p in unit.parameters()) // world_size) * world_size for unit in units)
-
-
-def check_reshard_after_forward(reshard_after_forward, zero_stage: int) -> None:
-    """True or False, and False only at ZeRO stage 3: stages 0-2 keep whole weights, there is nothing to reshard."""
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: True or False")
-    if not reshard_after_forward and zero_stage != 3:
-        raise ValueError(f"reshard_after_forward=False with zero_stage={zero_stage!r}: only ZeRO-3 frees a unit's weights "
-                         "after its forward; stages 0-2 keep whole weights, so it must be True there")
-
-
-def wire_bytes_per_step(grad_bytes: int, zero_stage: int, world_size: int, accumulation_steps: int = 1,
-                        reshard_after_forward: bool = True) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step, by op, on a ring of world_size ranks, with ``accumulation_steps``
-    micro-steps per optimizer step (the module docstring's tables). ``reshard_after_forward=False`` (stage 3
-    only): each unit is gathered once per micro-step, not twice: all_gather A·Ψ·(N-1)/N, not 2A·Ψ·(N-1)/N."""
-    check_zero_stage(zero_stage)
-    check_reshard_after_forward(reshard_after_forward, zero_stage)
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps={accumulation_steps!r}: a whole number of micro-steps, at least 1")
-    a = accumulation_steps
-    share = wire_bytes("reduce_scatter", grad_bytes, world_size)   # one reduce-scatter, or one all-gather
-    gathers = 2 * a if reshard_after_forward else a                # forward and backward, or forward only
-    return {0: {"all_reduce": wire_bytes("all_reduce", grad_bytes, world_size)},
-            1: {"reduce_scatter": share, "all_gather": share},
-            2: {"reduce_scatter": a * share, "all_gather": share},
-            3: {"all_gather": gathers * share, "reduce_scatter": a * share}}[zero_stage]
-
-
-def transient_weight_bytes(unit_params: list[int], zero_stage: int, weight_bytes: int, reshard_after_forward: bool = True,
-                           world_size: int = 1) -> int:
-    """Peak bytes of gathered weights one rank holds while a step runs, on top of its weights at rest (its
-    shards, zero_state_bytes' "weights"): what ZeroDataParallel's memory_trace measures, to the byte.
-
-    ``unit_params``: the parameters of each unit (default_units), P_u. A gathered unit is its flat buffer,
-    W_u = weight_bytes · N·ceil(P_u/N) bytes (N = ``world_size``; padding included). The buffer holds all N
-    shards, this rank's too: its own shard is then held twice (the shard is a separate tensor), so nothing is
-    subtracted.
-
-        stages 0-2                             0           whole weights are the state at rest already
-        stage 3                                max_u W_u   a unit is freed after its forward and after its
-                                                           reduce-scatter, before the next unit is gathered:
-                                                           one unit at a time, never two (measured)
-        stage 3, reshard_after_forward=False   Σ_u W_u     each unit stays from its forward to its backward:
-                                                           at the end of forward every unit is gathered
-    """
-    check_zero_stage(zero_stage)
-    check_reshard_after_forward(reshard_after_forward, zero_stage)
-    if zero_stage < 3 or not unit_params:
-        return 0
-    gathered = [weight_bytes * world_size * -(-numel // world_size) for numel in unit_params]
-    return max(gathered) if reshard_after_forward else sum(gathered)
 
 
 def _starts_at(tensor: torch.Tensor, base: torch.Tensor, offset: int) -> bool:
@@ -178,6 +97,7 @@ class _Unit:
         self.ready = 0                # parameters whose gradient the running backward has finished
         self.backwards = 0            # backwards finished since the last step()
         self.reduced = False          # stages 0, 1: the gradients were averaged since the last step()
+        self.kept = False             # stage 3, reshard_after_backward=False: whole gradients not yet reduced
         self.flat_grad = None         # stages 0 and 1: the full gradients, as one buffer
         self.shard = None             # the nn.Parameter this rank's optimizer updates
 
@@ -213,16 +133,19 @@ class ZeroDataParallel(nn.Module):
     frees each unit's weights after its forward and gathers them again for its backward; False keeps them from
     the forward's gather until the unit's backward is done: one all-gather per unit and micro-step, not two, for
     holding every unit's weights at the end of forward (transient_weight_bytes). Stages 0-2 require True.
+    ``reshard_after_backward=False`` (with it): inside ``no_sync()`` a unit keeps its weights after its backward
+    and adds into whole gradients; the last backward (or ``finish_gradient_sync()``) reduce-scatters them once.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, zero_stage: int, optimizer_class=MixedPrecisionAdam,
-                 units: list[nn.Module] | None = None, reshard_after_forward: bool = True, **optimizer_kwargs):
+                 units: list[nn.Module] | None = None, reshard_after_forward: bool = True,
+                 reshard_after_backward: bool = True, **optimizer_kwargs):
         if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
             raise ValueError(f"zero_stage={zero_stage!r}: ZeRO stages are 0 (plain DDP), 1, 2, 3")
-        check_reshard_after_forward(reshard_after_forward, zero_stage)   # before any allocation
+        check_resharding(reshard_after_forward, zero_stage, reshard_after_backward)   # before any allocation
         super().__init__()
         self.module, self.comm, self.zero_stage = module, comm, zero_stage
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.reshard_after_backward = reshard_after_forward, reshard_after_backward
         units = default_units(module) if units is None else units
         names = {id(m): name for name, m in module.named_modules()}
         owner = {}
@@ -314,7 +237,6 @@ class ZeroDataParallel(nn.Module):
             return
         unit.ready, unit.backwards = 0, unit.backwards + 1
         self._record("gradients ready", unit)             # stages 2, 3: this unit's full gradients exist now
-        shard, size = unit.shard, self.comm.size
         if unit.flat_grad is not None and not all(_starts_at(p.grad, unit.flat_grad, offset) for p, offset in
                                                   zip(unit.params, unit.offsets)):
             raise RuntimeError(f"unit {unit.name}: gradients are no longer views of the flat gradient buffer; "
@@ -323,6 +245,14 @@ class ZeroDataParallel(nn.Module):
             if self._sync:                                  # no_sync: the next backward adds into flat_grad
                 self._average_full_gradients(unit)
             return
+        if not (self._sync or self.reshard_after_backward):
+            unit.kept = True                                # weights stay gathered; the next backward adds in
+            return
+        self._reduce_scatter_gradients(unit)
+
+    def _reduce_scatter_gradients(self, unit: _Unit):
+        """Stages 2 and 3: reduce-scatter the unit's whole gradients into this rank's shard and drop them."""
+        shard, size = unit.shard, self.comm.size
         padding = unit.full.numel() - unit.numel
         flat = torch.cat([p.grad.reshape(-1) for p in unit.params] + [unit.full.new_zeros(padding)])
         for param in unit.params:
@@ -332,6 +262,7 @@ class ZeroDataParallel(nn.Module):
         shard.grad.add_(reduced.div_(size))                 # micro-steps add up in the shard's gradient
         if self.zero_stage == 3:
             unit.free()
+        unit.kept = False
         self._record("reduce gradients", unit)
 
     def _average_full_gradients(self, unit: _Unit):
@@ -349,13 +280,15 @@ class ZeroDataParallel(nn.Module):
     def finish_gradient_sync(self):
         """For a pipeline (pipeline_step runs every micro-batch's backward itself, so none can stay outside
         ``no_sync()``): run them all inside the block, then call this once. Stages 0 and 1 average what the
-        micro-batches added up; stages 2 and 3 reduced in every backward already, so it does nothing there."""
+        micro-batches added up, and so does stage 3 without resharding after backward; otherwise stages 2 and 3
+        reduced in every backward already, so it does nothing there."""
         if not self._sync:
             raise RuntimeError("finish_gradient_sync() inside no_sync(): call it after the block")
-        if self.zero_stage <= 1:
-            for unit in self.units:
-                if unit.backwards and not unit.reduced:
-                    self._average_full_gradients(unit)
+        for unit in self.units:
+            if self.zero_stage <= 1 and unit.backwards and not unit.reduced:
+                self._average_full_gradients(unit)
+            elif unit.kept:
+                self._reduce_scatter_gradients(unit)
 
     def step(self):
         """Update this rank's shards (gradients already averaged); stages 1, 2: all-gather the new weights."""
@@ -364,7 +297,7 @@ class ZeroDataParallel(nn.Module):
                 when = "in the last backward" if unit.ready else "since the last step()"
                 raise RuntimeError(f"unit {unit.name}: {unit.ready} of its {len(unit.params)} parameters got a "
                                    f"gradient {when}; every parameter must take part in the loss on every rank")
-            if self.zero_stage <= 1 and not unit.reduced:
+            if (self.zero_stage <= 1 and not unit.reduced) or unit.kept:
                 raise RuntimeError(f"unit {unit.name}: its gradients were never averaged: the last backward before "
                                    "step() must run outside no_sync()")
             unit.backwards, unit.reduced = 0, False

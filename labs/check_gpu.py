@@ -63,16 +63,16 @@ class Lab:
 # where bytes and memory are large, in the labs' default precision on GPUs (bf16 autocast; ZeRO: bf16 weights).
 LABS = {
     # replicas stay identical and equal one process (whose reference runs on rank 0's CPU: keep it small)
-    "training_step": Lab(1, "", lambda n: f"--hidden 128 --global-batch {4 * n} --seq-len 64 --steps 20 --dtype fp32",
+    "training_step": Lab(1, "", lambda n: f"--hidden 128 --global-batch-size {4 * n} --seq-len 64 --steps 20 --dtype fp32",
                          "--steps 5 --dtype fp32"),
     # 100M parameters, 400 MB of gradients a step: naive, bucketed and torch's DDP apart
-    "ddp": Lab(1, "", lambda n: "--hidden 1024 --layers 8 --per-rank-batch 8 --seq-len 256 --bucket-mb 25 --steps 20",
+    "ddp": Lab(1, "", lambda n: "--hidden 1024 --layers 8 --micro-batch-size 8 --seq-len 256 --bucket-mb 25 --steps 20",
                "--steps 4"),
     # the same 100M parameters in bf16: 1.6 GB of state, then its share per rank at each stage
-    "zero": Lab(1, "", lambda n: "--hidden 1024 --layers 8 --per-rank-batch 4 --seq-len 256 --steps 8", "--steps 3"),
+    "zero": Lab(1, "", lambda n: "--hidden 1024 --layers 8 --micro-batch-size 4 --seq-len 256 --steps 8", "--steps 3"),
     # 8 × 512 tokens through 3M parameters split n ways: parity with one device, the 4 all-reduces per layer
     "tensor_parallel": Lab(2, "TP splits every layer over 2 or more ranks",
-                           lambda n: "--hidden 256 --batch-size 8 --seq-len 512 --steps 20 --dtype fp32",
+                           lambda n: "--hidden 256 --global-batch-size 8 --seq-len 512 --steps 20 --dtype fp32",
                            "--steps 5 --dtype fp32"),
     # one stage per GPU, the bubble from m = 1 to 32 micro-batches
     "pipeline_parallel": Lab(2, "a pipeline has 2 or more stages",
@@ -80,7 +80,7 @@ LABS = {
                              "--num-microbatches 1 4 --steps 2 --real --dtype fp32"),
     # dp = n / 4 replicas of a tp 2 × pp 2 grid
     "parallel_3d": Lab(4, "tp 2 × pp 2 (× dp)",
-                       lambda n: f"--tp 2 --pp 2 --hidden 512 --layers 8 --seq-len 128 --batch-size {16 * (n // 4)} "
+                       lambda n: f"--tp 2 --pp 2 --hidden 512 --layers 8 --seq-len 128 --global-batch-size {16 * (n // 4)} "
                                  "--num-microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
     # save in one layout (8 GPUs: dp 2 × tp 2 × pp 2, ZeRO-1), resume in another on NCCL, float64 parity
     "checkpoint": Lab(1, "", lambda n: "--no-kill --steps 8", "--no-kill --steps 6 --every 2 --kill-at 3"),

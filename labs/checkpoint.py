@@ -72,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--every", type=integer(1), default=3, help="steps between checkpoints")
     parser.add_argument("--kill-at", type=integer(0), default=5, help="the step in which a rank dies")
     parser.add_argument("--kill-rank", type=integer(0), default=1)
-    parser.add_argument("--batch-size", type=integer(1), default=8)
+    parser.add_argument("--global-batch-size", type=integer(1), default=8)
     parser.add_argument("--no-kill", action="store_true",
                         help="kill nobody (torchrun without --max-restarts, as make gpu-check runs it): save, resume "
                              "in another layout, compare")
@@ -88,7 +88,7 @@ def main(argv=None):
     source, target = (LAYOUTS[name] for name in LAYOUT_FOR[args.world_size])
     root = str(args.out / "checkpoints")
     config = preset("tiny", **model_overrides(args))
-    common = dict(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, config=config)
+    common = dict(steps=args.steps, batch_size=args.global_batch_size, seq_len=args.seq_len, lr=args.lr, config=config)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     job = dict(layout=source, every=args.every, kill_at=None if args.no_kill else args.kill_at,
                kill_rank=args.kill_rank, **common)
@@ -116,7 +116,7 @@ def main(argv=None):
                        steps=args.steps)
     if not reports():
         return None
-    reference = reference_run(config, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seq_len=args.seq_len,
+    reference = reference_run(config, steps=args.steps, batch_size=args.global_batch_size, lr=args.lr, seq_len=args.seq_len,
                               dtype=torch.float64)[1].state_dict()
     gap, reshard_gap = max_parameter_gap(finished, reference), max_parameter_gap(resharded, reference)
     started = finished[0]["started_at"]

@@ -45,14 +45,14 @@ from course_lib.units import MiB
 KINDS = DDP_KINDS[1:]   # naive, bucketed, torch
 
 
-def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batch, accumulation, seq_len, lr,
+def compare_implementations(rank, world_size, *, overrides, steps, micro_batch_size, accumulation, seq_len, lr,
                             bucket_bytes, dtype):
     config = preset("tiny", **overrides)
     progress = None
     if rank == 0:
         from tqdm import tqdm
         progress = tqdm(total=steps * len(KINDS), desc=f"{world_size} ranks", mininterval=1.0)
-    results = {kind: train_one(kind, rank, world_size, config=config, steps=steps, per_rank_batch=per_rank_batch,
+    results = {kind: train_one(kind, rank, world_size, config=config, steps=steps, micro_batch_size=micro_batch_size,
                                accumulation=accumulation, seq_len=seq_len, lr=lr, bucket_bytes=bucket_bytes,
                                dtype=dtype, progress=progress)
                for kind in KINDS}
@@ -61,7 +61,7 @@ def compare_implementations(rank, world_size, *, overrides, steps, per_rank_batc
     return results
 
 
-def train_one(kind, rank, world_size, *, config, steps, per_rank_batch, accumulation, seq_len, lr, bucket_bytes,
+def train_one(kind, rank, world_size, *, config, steps, micro_batch_size, accumulation, seq_len, lr, bucket_bytes,
               dtype, progress):
     """One implementation's run; its model and optimizer are freed on return, so the next run's peak GPU
     memory is its own."""
@@ -74,7 +74,7 @@ def train_one(kind, rank, world_size, *, config, steps, per_rank_batch, accumula
     records = []
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in
-                   micro_batches(data, step, per_rank_batch, rank, world_size, accumulation)]
+                   micro_batches(data, step, micro_batch_size, rank, world_size, accumulation)]
         if hasattr(parallel, "bucket_log"):
             parallel.bucket_log = []
         with comm.trace() as log, autocast(dtype):
@@ -90,14 +90,14 @@ def train_one(kind, rank, world_size, *, config, steps, per_rank_batch, accumula
 
 def main(argv=None):
     parser = lab_parser(__doc__, lr=1e-3, min_steps=2)   # the first step (warm-up) is left out of the timings
-    parser.add_argument("--per-rank-batch", type=integer(1), default=4)
+    parser.add_argument("--micro-batch-size", type=integer(1), default=4)
     parser.add_argument("--accumulation", type=integer(1), default=1, help="micro-steps per optimizer step")
     parser.add_argument("--bucket-mb", type=real(above=0), default=1.0, help="bucket size of ours and torch's, MiB")
     args = parse(parser, argv)
     overrides = model_overrides(args)
     results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=3600, overrides=overrides,
                      steps=args.steps,
-                     per_rank_batch=args.per_rank_batch, accumulation=args.accumulation, seq_len=args.seq_len,
+                     micro_batch_size=args.micro_batch_size, accumulation=args.accumulation, seq_len=args.seq_len,
                      lr=args.lr, bucket_bytes=int(args.bucket_mb * MiB), dtype=args.dtype)
     if not reports():
         return None
@@ -106,7 +106,7 @@ def main(argv=None):
     predicted = grad_bytes * 2 * (p - 1) / p
     backend = args.backend
     print(f"\n{p} ranks ({backend}, {args.dtype}), {grad_bytes // 4:,} parameters, {args.bucket_mb} MiB buckets, "
-          f"global batch {args.per_rank_batch} × {p} × {args.accumulation}")
+          f"global batch {args.micro_batch_size} × {p} × {args.accumulation}")
     print(f"{'DDP':>9} {'step ms':>8} {'compute':>8} {'exposed':>8} {'optim':>6} {'wire bytes':>12} "
           f"{'predicted':>12} {'spread':>7} {'vs torch':>9}")
     rows = []

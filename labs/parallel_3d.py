@@ -1,9 +1,9 @@
 """Lab 06: train the course model on a dp × tp × pp grid of ranks, and count what each axis holds and sends.
 
     python labs/parallel_3d.py --world-size 8 --tp 2 --pp 2          # this CPU: 8 gloo ranks, dp = 8/(2·2) = 2
-    torchrun --nproc-per-node 8 labs/parallel_3d.py --tp 2 --pp 2 --hidden 1024 --layers 8 --batch-size 32
+    torchrun --nproc-per-node 8 labs/parallel_3d.py --tp 2 --pp 2 --hidden 1024 --layers 8 --global-batch-size 32
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        labs/parallel_3d.py --tp 8 --pp 2 --hidden 512 --layers 4 --batch-size 64 --num-microbatches 16
+        labs/parallel_3d.py --tp 8 --pp 2 --hidden 512 --layers 4 --global-batch-size 64 --num-microbatches 16
 
 Ranks are laid out as in course_lib/mesh.py and the model split by course_lib/parallelize.py: tp fastest (a TP group is consecutive ranks, inside a node), pp
 slowest (stages across nodes), dp between. Each step: this dp rank's share of the batch goes through the
@@ -64,7 +64,7 @@ def predicted_sent_bytes(config, mesh: Mesh, stage: int, dtype: str, *, batch_si
 def check_arguments(args) -> None:
     """The grid and the model it splits, checked before any rank starts (common.parse)."""
     Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp).check_model(
-        preset("tiny", **model_overrides(args)), batch_size=args.batch_size, num_microbatches=args.num_microbatches)
+        preset("tiny", **model_overrides(args)), batch_size=args.global_batch_size, num_microbatches=args.num_microbatches)
 
 
 def main(argv=None):
@@ -72,25 +72,25 @@ def main(argv=None):
     parser.add_argument("--tp", type=integer(1), default=2, help="tensor-parallel degree (inside a node)")
     parser.add_argument("--pp", type=integer(1), default=2, help="pipeline stages (across nodes)")
     parser.add_argument("--num-microbatches", type=integer(1), default=4)
-    parser.add_argument("--batch-size", type=integer(1), default=16, help="global batch, in sequences")
+    parser.add_argument("--global-batch-size", type=integer(1), default=16, help="global batch, in sequences")
     args = parse(parser, argv, check=check_arguments)
     mesh = Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     results = launch(train_3d_in, args.world_size, backend=args.backend, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
-                     num_microbatches=args.num_microbatches, steps=args.steps, batch_size=args.batch_size,
+                     num_microbatches=args.num_microbatches, steps=args.steps, batch_size=args.global_batch_size,
                      seq_len=args.seq_len, lr=args.lr, progress=True, return_params=False, dtype=args.dtype,
                      **overrides)
     if not reports():
         return None
-    print(f"\n{mesh}, {results[0]['backend']}, {args.dtype}, global batch {args.batch_size} × {args.seq_len} tokens, "
+    print(f"\n{mesh}, {results[0]['backend']}, {args.dtype}, global batch {args.global_batch_size} × {args.seq_len} tokens, "
           f"{args.num_microbatches} micro-batches")
     print(f"{'rank':>4} {'pp dp tp':>9} {'params held':>12}   " +
           "   ".join(f"{axis + ' KiB sent (pred)':>24}" for axis in ("tp", "pp", "dp")))
     rows = []
     for r in results:
         c = r["coords"]
-        predicted = predicted_sent_bytes(config, mesh, c["pp"], args.dtype, batch_size=args.batch_size,
+        predicted = predicted_sent_bytes(config, mesh, c["pp"], args.dtype, batch_size=args.global_batch_size,
                                          seq_len=args.seq_len, num_microbatches=args.num_microbatches)
         held = params_per_rank(config, mesh, c["pp"])
         print(f"{r['rank']:>4} {c['pp']:>3}{c['dp']:>3}{c['tp']:>3} {held:>12,}   " + "   ".join(
@@ -107,7 +107,7 @@ def main(argv=None):
     losses = [r["losses"] for r in results if r["losses"][0] is not None]
     print(f"traced bytes = formula on every rank; median step {step * 1e3:.1f} ms; loss "
           f"{losses[0][0]:.3f} → {losses[0][-1]:.3f} (last stage, dp rank 0)")
-    record = {"mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}, "batch_size": args.batch_size,
+    record = {"mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}, "batch_size": args.global_batch_size,
               "seq_len": args.seq_len, "num_microbatches": args.num_microbatches, "median_step_seconds": step,
               "config": {k: getattr(config, k) for k in ("hidden", "num_layers", "num_heads", "num_kv_heads",
                                                          "intermediate")}, "ranks": rows,

@@ -56,11 +56,11 @@ def check_arguments(args) -> None:
     if args.layers is not None and args.layers < args.world_size:
         raise ValueError(f"--layers {args.layers} < --world-size {args.world_size} stages: every stage needs at "
                          "least one layer")
-    batch = args.batch or 2 * max(args.num_microbatches)
+    batch = args.global_batch_size or 2 * max(args.num_microbatches)
     uneven = [m for m in args.num_microbatches if batch % m]
     if uneven:
         raise ValueError(f"a batch of {batch} rows does not split into {uneven} micro-batches of equal size: "
-                         "give --batch a multiple of every --num-microbatches count")
+                         "give --global-batch-size a multiple of every --num-microbatches count")
 
 
 def main(argv=None):
@@ -68,11 +68,11 @@ def main(argv=None):
     parser.add_argument("--num-microbatches", type=integer(1), nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--op-ms", type=finite_number(above=0), default=40.0,
                         help="controlled cost of each forward and backward, ms")
-    parser.add_argument("--batch", type=integer(1), help="rows per step (default: 2 × the largest micro-batch count)")
+    parser.add_argument("--global-batch-size", type=integer(1), help="rows per step (default: 2 × the largest micro-batch count)")
     parser.add_argument("--real", action="store_true", help="also run each step with real compute (its time)")
     parser.set_defaults(seq_len=8)
     args = parse(parser, argv, check=check_arguments)
-    p, batch = args.world_size, args.batch or 2 * max(args.num_microbatches)
+    p, batch = args.world_size, args.global_batch_size or 2 * max(args.num_microbatches)
     overrides = {**model_overrides(args), "num_layers": args.layers or max(4, p)}   # a layer per stage at least
     runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.num_microbatches]
     common = dict(batch_size=batch, seq_len=args.seq_len, **overrides)

@@ -1,7 +1,7 @@
 """Lab 04: train the course model split over N ranks with tensor parallelism, and count what it costs.
 
     python labs/tensor_parallel.py --world-size 2                     # this CPU: 2 gloo ranks via launch()
-    torchrun --nproc-per-node 8 labs/tensor_parallel.py --hidden 4096 --layers 4 --batch-size 4 --seq-len 2048
+    torchrun --nproc-per-node 8 labs/tensor_parallel.py --hidden 4096 --layers 4 --global-batch-size 4 --seq-len 2048
     torchrun --nproc-per-node 2 labs/tensor_parallel.py --hidden 512   # TP = 2 on two GPUs of one box
 
 TP is the whole world: every rank reads the same batch and holds 1/N of every attention and MLP matrix
@@ -113,19 +113,19 @@ def predicted_traffic(config, batch_size: int, seq_len: int, tp: int, dtype: str
 
 def main(argv=None):
     parser = lab_parser(__doc__)
-    parser.add_argument("--batch-size", type=integer(1), default=8)
+    parser.add_argument("--global-batch-size", type=integer(1), default=8)
     args = parse(parser, argv, check=lambda args: check_tp_divisible(preset("tiny", **model_overrides(args)),
                                                                       args.world_size))
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison
     results = launch(tensor_parallel_run, args.world_size, backend=args.backend, overrides=overrides, steps=args.steps,
-                     batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference,
+                     batch_size=args.global_batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference,
                      dtype=args.dtype)
     if not reports():
         return None
     run = results[0]
-    predicted = predicted_traffic(config, args.batch_size, args.seq_len, args.world_size, args.dtype)
+    predicted = predicted_traffic(config, args.global_batch_size, args.seq_len, args.world_size, args.dtype)
     predicted_count = predicted["forward_all_reduces"] + predicted["backward_all_reduces"]
     gap = (max(abs(a - b) for a, b in zip(run["losses"], run["one_device_losses"]))
            if reference else float("nan"))
@@ -139,13 +139,13 @@ def main(argv=None):
           f"{run['one_device_step_seconds'] * 1e3:>14.2f} {speedup:>11.2f}x {gap:>9.1e}")
     assert run["all_reduces_per_step"] == predicted_count, "traced all-reduces differ from 4 per layer"
     assert run["payload_bytes_per_step"] == predicted["payload_bytes"], "traced bytes differ from the formula"
-    shape = f"{args.batch_size}×{args.seq_len}×{config.hidden}"
+    shape = f"{args.global_batch_size}×{args.seq_len}×{config.hidden}"
     print(f"traced traffic = formula: {predicted_count} all-reduces of {shape}, each "
           f"{predicted['payload_bytes_each']:,} bytes forward and {predicted['backward_payload_bytes_each']:,} "
           "backward")
     record = {"tp": args.world_size, "config": {k: getattr(config, k) for k in
                                                 ("hidden", "num_layers", "num_heads", "num_kv_heads", "intermediate")},
-              "batch_size": args.batch_size, "seq_len": args.seq_len, **run, "predicted": predicted,
+              "batch_size": args.global_batch_size, "seq_len": args.seq_len, **run, "predicted": predicted,
               "speedup_vs_one_device": speedup, "max_loss_gap": gap if reference else None,
               "max_memory_allocated": [r["max_memory_allocated"] for r in results],
               "predicted_state_bytes": [fp32_adam_state_bytes(r["params_per_rank"]) for r in results]}

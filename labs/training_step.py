@@ -40,7 +40,7 @@ from course_lib.runtime.arguments import integer
 from course_lib.train import reference_run
 
 
-def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, seq_len, lr, dtype):
+def data_parallel_training(rank, world_size, *, overrides, steps, global_batch_size, seq_len, lr, dtype):
     reset_peak_memory()
     config = preset("tiny", **overrides)
     model = build(config, seed=0, device=device())
@@ -53,7 +53,7 @@ def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, 
         progress = tqdm(progress, desc=f"{world_size} ranks", mininterval=1.0)
     for step in progress:
         start = time.perf_counter()
-        inputs, targets = (t.to(device()) for t in data.rank_batch(step, global_batch, rank, world_size))
+        inputs, targets = (t.to(device()) for t in data.rank_batch(step, global_batch_size, rank, world_size))
         with autocast(dtype):                               # bf16 matmuls on GPUs; weights stay fp32
             loss = loss_fn(model(inputs), targets)          # 1-2. forward and loss on my slice
         optimizer.zero_grad()
@@ -76,18 +76,18 @@ def data_parallel_training(rank, world_size, *, overrides, steps, global_batch, 
 
 def check_arguments(args) -> None:
     """Rules between arguments, checked before any rank starts (common.parse)."""
-    if args.global_batch % args.world_size:
-        raise ValueError(f"--global-batch {args.global_batch} is not divisible by --world-size {args.world_size}: "
+    if args.global_batch_size % args.world_size:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --world-size {args.world_size}: "
                          "every rank takes an equal slice of each batch")
 
 
 def main(argv=None):
     parser = lab_parser(__doc__, steps=30)
-    parser.add_argument("--global-batch", type=integer(1), default=16, help="rows per step, split over the ranks")
+    parser.add_argument("--global-batch-size", type=integer(1), default=16, help="rows per step, split over the ranks")
     args = parse(parser, argv, check=check_arguments)
     overrides = model_overrides(args)
     results = launch(data_parallel_training, args.world_size, backend=args.backend, overrides=overrides,
-                     steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
+                     steps=args.steps, global_batch_size=args.global_batch_size, seq_len=args.seq_len, lr=args.lr,
                      dtype=args.dtype)
     if not reports():
         return None
@@ -96,7 +96,7 @@ def main(argv=None):
     reference = None
     if run["params"] < 5_000_000:  # one process on the whole global batch: the answer DP must reproduce
         config = preset("tiny", **overrides)
-        reference = reference_run(config, steps=args.steps, batch_size=args.global_batch, lr=args.lr,
+        reference = reference_run(config, steps=args.steps, batch_size=args.global_batch_size, lr=args.lr,
                                   seq_len=args.seq_len)[0]
     median = sorted(run["step_seconds"])[len(run["step_seconds"]) // 2]
     print(f"\n{'ranks':>6} {'backend':>8} {'dtype':>6} {'params':>12} {'first loss':>11} {'last loss':>10} "

@@ -28,16 +28,17 @@ from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, count_params, preset
 from course_lib.runs.zero import train
 from course_lib.runtime.arguments import integer
-from course_lib.zero import padded_num_params, wire_bytes_per_step
+from course_lib.zero import padded_num_params
+from course_lib.zero_bytes import wire_bytes_per_step
 
 RUNS = [("ours", 0), ("ours", 1), ("ours", 2), ("ours", 3), ("zero_redundancy", 1), ("fully_shard", 3)]
 
 
-def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
+def every_run(rank, world_size, *, config, steps, micro_batch_size, seq_len, lr):
     results = {}
     for impl, stage in RUNS:
         reset_peak_memory()                           # each run's peak is its own: the last run's model is freed
-        run = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, per_rank_batch=per_rank_batch,
+        run = train(rank, world_size, impl=impl, zero_stage=stage, steps=steps, micro_batch_size=micro_batch_size,
                     seq_len=seq_len, lr=lr, optimizer="mixed", dtype=torch.bfloat16, config=config, progress=True)
         run["params"] = run["params"].float()         # bf16 weights, sent back as fp32 for the comparison
         run["max_memory_allocated"] = peak_memory()
@@ -48,13 +49,13 @@ def every_run(rank, world_size, *, config, steps, per_rank_batch, seq_len, lr):
 
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=4, steps=8, lr=1e-3, autocast=False, min_steps=2)  # median after step 1
-    parser.add_argument("--per-rank-batch", type=integer(1), default=4)
+    parser.add_argument("--micro-batch-size", type=integer(1), default=4)
     parser.set_defaults(dtype="bf16")                 # recorded with the results: bf16 weights and gradients
     args = parse(parser, argv)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     per_rank = launch(every_run, args.world_size, backend=args.backend, config=config, steps=args.steps,
-                      per_rank_batch=args.per_rank_batch,
+                      micro_batch_size=args.micro_batch_size,
                       seq_len=args.seq_len, lr=args.lr, timeout=3600)
     if not reports():
         return None
@@ -63,7 +64,7 @@ def main(argv=None):
     padded = padded_num_params(build(config, device="meta"), n)
     grad_bytes = 2 * padded
     print(f"\n{n} ranks ({per_rank[0]['backend']}), {params:,} parameters ({padded:,} with padding), bf16 + MixedPrecisionAdam, "
-          f"{args.per_rank_batch} x {args.seq_len} tokens per rank, median of {args.steps - 1} steps\n")
+          f"{args.micro_batch_size} x {args.seq_len} tokens per rank, median of {args.steps - 1} steps\n")
     print(f"{'run':>18} {'state/rank (MiB)':>17} {'formula':>9} {'wire/step (MiB)':>16} {'formula':>9} "
           f"{'step (ms)':>10} {'last loss':>10} {'max |Δw| vs ours':>17}")
     record = {"world_size": n, "params": params, "padded_params": padded,

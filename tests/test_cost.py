@@ -19,7 +19,7 @@ from course_lib.cost import (
 from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
-from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config
+from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
 
 BATCH, SEQ = 2, 16
 
@@ -166,7 +166,8 @@ def test_step_time_term_by_term():
     busy = m * (compute + tp + pp)
     assert step.bubble_s == pytest.approx(busy * (2 - 1) / m, rel=1e-12)      # (p-1)/(v·m) of busy
     params = 2 * ((64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128) // 2 + 2 * 64) + 64 + 128 * 64   # last stage
-    dp = 2 * (1e-6 + (2 - 1) / 2 * params * 2 / 1e9)                 # reduce-scatter + all-gather, NVLink
+    units = 2 + 2                                                     # its 2 layers, the final norm and the head
+    dp = 2 * (units * 1e-6 + (2 - 1) / 2 * params * 2 / 1e9)         # reduce-scatter + all-gather, NVLink
     assert step.dp_s == step.dp_comm_s == pytest.approx(dp, rel=1e-12)
     optimizer = max(params // 2 * (26 + 3 * 2) / (HBM_SHARE * 1e11),  # Adam on this GPU's ZeRO-1 shard,
                     4 * KERNEL_LAUNCH_S)                              # or its 4 kernels' launches
@@ -227,15 +228,16 @@ def test_more_micro_batches_shrink_the_bubble_and_overlap_hides_dp():
 def test_dp_traffic_is_zero_wire_bytes_per_step(stage):
     """The cost side counts what the memory side runs (zero.py): ZeRO-2 keeps only its shard of the gradients,
     so it reduce-scatters every micro-batch; ZeRO-3 (FSDP's default) also all-gathers the weights before each
-    micro-batch's forward and again before its backward: 2m all-gathers, m reduce-scatters a step."""
-    from course_lib.zero import wire_bytes_per_step
+    micro-batch's forward and again before its backward: 2m all-gathers, m reduce-scatters a step; each of them
+    unit by unit (32 layers, the embedding, the final norm, the head), each unit's call paying α."""
+    from course_lib.zero_bytes import wire_bytes_per_step
     config, mesh, m = preset("llama2-7b"), Mesh(dp=4), 8
     step = costed(config, mesh, gpu=TOY_GPU, seq_len=512, micro_batch_size=1, num_microbatches=m,
                      zero_stage=stage, gpus_per_node=4)
     params = param_count_formula(config)
     calls = {0: 1, 1: 2, 2: m + 1, 3: 3 * m}[stage]
     sent = sum(wire_bytes_per_step(params * 2, stage, 4, accumulation_steps=m).values())
-    assert step.dp_comm_s == pytest.approx(calls * FAST.alpha_s + sent / FAST.bytes_per_s, rel=1e-12)
+    assert step.dp_comm_s == pytest.approx(calls * 35 * FAST.alpha_s + sent / FAST.bytes_per_s, rel=1e-12)
     assert step.dp_s == step.dp_comm_s                                 # dp_overlap 0: nothing hidden
 
 
@@ -315,13 +317,16 @@ def test_published_runs_within_five_points():
 
 def test_predicted_mfu_rises_with_hidden_size():
     """Narayanan et al.'s GPT family at sequence 2,048 on A100 80GB, hidden 2,304 to 25,600: bigger matmuls run
-    closer to the peak and the memory-bound rest of a layer shrinks beside them. The prediction rises with every
-    step of the table (theirs rises from 44% to 52%, with a dip at 18.4B), and so it does for the same models on
-    one fixed layout (one node of 8 GPUs, TP 8, one micro-batch): the roofline alone, no layout changing."""
+    closer to the peak and the memory-bound rest of a layer shrinks beside them. With each row's own layout (the
+    paper's launch scripts) the prediction rises from the first row to the last by more than 5 points, as theirs
+    does (44% to 52%), in the same order as theirs (rank correlation ≥ 0.9: both dip at 18.4B, the first row
+    whose DP group has one GPU in each node); and it rises at every step for the same models on one fixed layout
+    (one node of 8 GPUs, TP 8, one micro-batch): the roofline alone, no layout changing."""
     rows = [row for row in compare_published() if row["name"].startswith("Megatron-LM GPT")]
     assert len(rows) == 10
     ours = [row["ours"] for row in rows]
-    assert ours == sorted(ours) and ours[-1] - ours[0] > 0.05
+    assert ours[-1] - ours[0] > 0.05 and ours[3] < ours[2]
+    assert rank_correlation(ours, [row["theirs"] for row in rows]) >= 0.9
     assert rows[-1]["theirs"] > rows[0]["theirs"]
     hiddens, fixed = [run.config.hidden for run in PUBLISHED_RUNS[:10]], []
     assert hiddens == sorted(hiddens) and (hiddens[0], hiddens[-1]) == (2304, 25600)

@@ -48,9 +48,9 @@ def every_variant(rank, world_size, accumulation_steps):
     return runs
 
 
-def one_process(global_batch):
+def one_process(global_batch_size):
     """The reference: one process, the whole global batch, the same data and seed."""
-    _, model = reference_run(steps=STEPS, batch_size=global_batch, lr=LR, optimizer="sgd", dtype=DTYPE)
+    _, model = reference_run(steps=STEPS, batch_size=global_batch_size, lr=LR, optimizer="sgd", dtype=DTYPE)
     return parameters_to_vector(model.parameters()).detach()
 
 
@@ -66,7 +66,7 @@ def setup(request):
 
 def test_every_variant_matches_one_process_on_the_global_batch(setup):
     world_size, accumulation_steps, per_rank = setup
-    reference = one_process(global_batch=4 * world_size * accumulation_steps)
+    reference = one_process(global_batch_size=4 * world_size * accumulation_steps)
     for variant in VARIANTS:
         params = per_rank[0][variant]["params"]
         assert (params - reference).abs().max().item() < F64, variant

@@ -137,7 +137,7 @@ def test_tp_speed_explorer_measures_a_new_point_on_ranks(drawn):
 @pytest.mark.ranks
 def test_ddp_overlap_explorer_runs_each_setup_once_on_persistent_ranks(drawn, capsys):
     panel = explorers.ddp_overlap_explorer(world_sizes=(1, 2), ranks=1, bucket="naive: no buckets", steps=2,
-                                           per_rank_batch=1, seq_len=8)
+                                           micro_batch_size=1, seq_len=8)
     try:
         assert isinstance(panel, widgets.VBox)
         assert values(panel.controls) == {"ranks": 1, "bucket": "naive: no buckets"}

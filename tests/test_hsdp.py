@@ -22,7 +22,7 @@ from course_lib.per_rank import (
 from course_lib.runs.mesh import global_losses, max_parameter_gap, train_3d, train_torch_hsdp
 from course_lib.train import reference_run
 from course_lib.virtual import fake_world, run_rank
-from course_lib.zero import wire_bytes_per_step
+from course_lib.zero_bytes import wire_bytes_per_step
 
 F64 = 1e-9          # as tests/test_mesh.py: float64, the order of additions only
 STEPS, BATCH, SEQ, M = 3, 8, 16, 2

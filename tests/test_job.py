@@ -48,10 +48,29 @@ def test_a_new_option_reaches_every_part_through_the_job(monkeypatch, capsys):
     assert ("data_parallel_traffic", True) in seen and ("cli", True) in seen, seen
 
 
+def test_a_new_option_reaches_the_planner_through_its_workload(monkeypatch):
+    """The planner costs every layout from the workload's template job: the made-up field rides along."""
+    from course_lib import recipes
+    from course_lib.plan import plan
+    from course_lib.recipes import Workload
+    seen = set()
+    original = recipes.step_time
+
+    def spy(job, **kwargs):
+        seen.add(job.fancy)
+        return original(job, **kwargs)
+    monkeypatch.setattr(recipes, "step_time", spy)
+    template = FancyJob(TINY, seq_len=64, micro_batch_size=2, recompute="full", fancy=True)
+    workload = Workload.from_job(template, global_batch_size=16)
+    assert (workload.seq_len, workload.micro_batch_size, workload.recompute) == (64, 2, "full")
+    chosen = plan(TINY, num_gpus=4, gpus_per_node=4, workload=workload)
+    assert seen == {True} and chosen.fits and all(layout.job.fancy for layout in chosen.candidates)
+
+
 def test_the_command_line_flags_are_the_fields_names():
     text = virtual._parser().format_help()
     for name in ("zero_stage", "recompute", "schedule", "num_chunks", "micro_batch_size", "num_microbatches",
-                 "sequence_parallel", "vocab_parallel", "reshard_after_forward", "dtype"):
+                 "sequence_parallel", "vocab_parallel", "reshard_after_forward", "reshard_after_backward", "dtype"):
         assert f"--{name.replace('_', '-')}" in text and name in {f.name for f in dataclasses.fields(Job)}, name
 
 
@@ -61,10 +80,30 @@ def test_fsdp_without_resharding_halves_the_gathers_in_every_formula():
     keeping = resharding.replace(reshard_after_forward=False)
     gathers = [per_rank.data_parallel_bytes_per_step(job, 0)["all_gather"] for job in (resharding, keeping)]
     assert gathers[0] == 2 * gathers[1]
-    assert per_rank.transient_bytes_per_rank(keeping, 0) > per_rank.transient_bytes_per_rank(resharding, 0) > 0
+    held = [per_rank.transient_bytes_per_rank(job, 0)["weights"] for job in (keeping, resharding)]
+    assert held[0] > held[1] > 0
     assert cost.step_time(keeping).dp_comm_s < cost.step_time(resharding).dp_comm_s
     measured = virtual.run_rank(keeping, 1)
     assert measured["sent_bytes"]["dp"] == measured["formulas"]["sent_bytes"]["dp"]
+
+
+def test_fsdp_kept_across_micro_batches_gathers_and_reduces_once_a_step():
+    """reshard_after_backward=False too (torch's pipelining with FSDP): one all-gather and one reduce-scatter a step
+    whatever m, in per_rank, the step time's collectives and a pipelined virtual run; the stage's weights and
+    gradients held whole while it steps."""
+    resharding = Job(TINY, Mesh(dp=2, pp=2), seq_len=16, num_microbatches=4, zero_stage=3, gpu="A100 80GB")
+    kept = resharding.replace(reshard_after_forward=False, reshard_after_backward=False)
+    ops = [per_rank.data_parallel_bytes_per_step(job, 0) for job in (resharding, kept)]
+    assert ops[0]["all_gather"] == 8 * ops[1]["all_gather"] and ops[0]["reduce_scatter"] == 4 * ops[1]["reduce_scatter"]
+    held = per_rank.transient_bytes_per_rank(kept, 0)
+    state = per_rank.data_parallel_state_bytes(kept, 0)
+    assert held["weights"] == 2 * state["weights"] and held["grads"] == 2 * state["grads"]   # dp 2: whole = 2 shards
+    assert cost.step_time(kept).dp_comm_s < cost.step_time(resharding).dp_comm_s
+    for rank in (0, kept.mesh.rank_of(pp=1)):
+        measured = virtual.run_rank(kept, rank)
+        assert measured["sent_bytes"]["dp"] == measured["formulas"]["sent_bytes"]["dp"] > 0
+    with pytest.raises(ValueError, match="reshard_after_backward=False with reshard_after_forward=True"):
+        resharding.replace(reshard_after_backward=False).check()
 
 
 @pytest.mark.parametrize("changes, rule", [

@@ -228,7 +228,7 @@ def test_noisy_data_min_loss():
 def test_rank_slices_are_disjoint_and_make_the_global_batch(world_size):
     data = SyntheticTokens(vocab_size=128, seq_len=16, seed=3)
     global_inputs, global_targets = data.batch(step=5, batch_size=16)
-    slices = [data.rank_batch(step=5, global_batch=16, rank=r, world_size=world_size)
+    slices = [data.rank_batch(step=5, global_batch_size=16, rank=r, world_size=world_size)
               for r in range(world_size)]
     assert all(inputs.shape == (16 // world_size, 16) for inputs, _ in slices)
     assert torch.equal(torch.cat([inputs for inputs, _ in slices]), global_inputs)
@@ -238,7 +238,7 @@ def test_rank_slices_are_disjoint_and_make_the_global_batch(world_size):
 
 def test_shard_errors_name_the_numbers():
     with pytest.raises(ValueError, match="global batch 10 is not divisible by world_size 4"):
-        SyntheticTokens(128, 8).rank_batch(step=0, global_batch=10, rank=0, world_size=4)
+        SyntheticTokens(128, 8).rank_batch(step=0, global_batch_size=10, rank=0, world_size=4)
     with pytest.raises(ValueError, match="rank=2 is outside 0..1"):
         shard(torch.zeros(4, 3), rank=2, world_size=2)
 

@@ -6,11 +6,10 @@ import itertools
 
 import pytest
 
-from course_lib.job import Job
 from course_lib.mesh import Mesh
 from course_lib.model import ModelConfig, preset
 from course_lib.plan import bad_smells, plan
-from course_lib.recipes import RECIPES, Workload, gathered_layer_bytes, memory_per_gpu, need_per_gpu
+from course_lib.recipes import PIPELINED_FSDP, RECIPES, RESHARDING_FSDP, Workload, memory_per_gpu, need_per_gpu
 from course_lib.units import GB, GiB
 
 HUGE_LAYERS = ModelConfig(vocab_size=32000, hidden=16384, num_layers=4, num_heads=128, num_kv_heads=16,
@@ -88,8 +87,13 @@ def test_every_plan_keeps_the_rules(name):
             continue
         mesh = layout.mesh
         assert mesh.size == num_gpus and min(per_node, num_gpus) % mesh.tp == 0
+        job = layout.candidates[0].job
+        options = {"reshard_after_forward": job.reshard_after_forward,
+                   "reshard_after_backward": job.reshard_after_backward}
+        assert options == PIPELINED_FSDP or options == RESHARDING_FSDP and (
+            layout.candidates[0].recipe != "TP + PP + FSDP" or "resharding every" in str(layout.candidates[0]))
         memory = memory_per_gpu(config, mesh, layout.zero_stage, workload, gpu_bytes=card * GiB,
-                                num_chunks=layout.num_chunks)
+                                num_chunks=layout.num_chunks, **options)
         assert layout.memory == memory and memory["total"] <= card * GiB
         assert mesh.pp == 1 or layout.zero_stage in (0, 1) or (layout.zero_stage, layout.candidates[0].recipe) == (
             3, "TP + PP + FSDP")
@@ -127,7 +131,8 @@ def test_the_busiest_gpu_of_every_fitting_layout_run_virtually_holds_what_the_pl
     one of them: the first holds the most micro-batches and the embedding, the last the head and loss) through
     the course's own code (fake process group, meta tensors): its measured state and activation peak are the
     planner's numbers, within ZeRO's padding (fewer than dp parameters per unit), and they fit beside the
-    reserve. ZeRO-3's one gathered layer is counted by the planner and freed by the time the run measures."""
+    reserve. What ZeRO-3 holds only while stepping (per_rank.transient_bytes_per_rank, measured on the CPU by
+    tests/test_zero_reshard.py) is counted by the planner and freed by the time the run measures."""
     from course_lib.virtual import run_rank
     chosen = plan(config, num_gpus=num_gpus, gpu_bytes=card * GiB, workload=workload)
     fitting = [layout for layout in chosen.candidates if layout.fits]
@@ -137,13 +142,13 @@ def test_the_busiest_gpu_of_every_fitting_layout_run_virtually_holds_what_the_pl
         mesh, v = layout.mesh, layout.num_chunks
         # What a rank holds stops growing with m once the schedule is full: 1F1B holds at most p micro-batches,
         # interleaving (v - 1)·p + 2·(p - 1) + 1 chunks of them < 2p·v. So 2p of them show a step of any m.
-        job = Job(config, mesh, seq_len=seq_len, micro_batch_size=workload.micro_batch_size,
-                  num_microbatches=min(layout.num_microbatches, 2 * mesh.pp), zero_stage=layout.zero_stage,
-                  recompute=workload.recompute, sequence_parallel=workload.sequence_parallel,
-                  vocab_parallel=workload.vocab_parallel, schedule="interleaved" if v > 1 else "1f1b", num_chunks=v)
+        job = layout.job.replace(num_microbatches=min(layout.num_microbatches, 2 * mesh.pp))
+        assert (job.tokens_per_sequence, job.micro_batch_size, job.num_chunks) == (seq_len, workload.micro_batch_size, v)
+        assert job.reshard_after_backward or layout.recipe == "TP + PP + FSDP", layout
         ran = [run_rank(job, mesh.rank_of(pp=stage)) for stage in sorted({0, mesh.pp - 1})]
         busiest = max(ran, key=lambda r: r["state_bytes"]["total"] + r["activation_bytes_peak"])
-        gathered = gathered_layer_bytes(config, mesh.tp) if layout.zero_stage == 3 else 0
+        gathered = busiest["formulas"]["transient_bytes"]["total"]
+        assert busiest["sent_bytes"]["dp"] == busiest["formulas"]["sent_bytes"]["dp"], layout
         padding = 16 * mesh.dp * (config.num_layers + 3)   # < dp parameters per unit, 16 bytes each
         assert 0 <= busiest["state_bytes"]["total"] + gathered - layout.memory["state"] <= padding, layout
         assert busiest["activation_bytes_peak"] == layout.memory["activations"], layout

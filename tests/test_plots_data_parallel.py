@@ -13,7 +13,7 @@ from test_plots import GIB, NAMES, bars, lines_at, outside_figure, spilled, text
 from course_lib.ledger import zero_state_bytes
 from course_lib.presentation import plots
 from course_lib.runs.ddp import phase_seconds
-from course_lib.zero import wire_bytes_per_step
+from course_lib.zero_bytes import wire_bytes_per_step
 
 matplotlib.use("Agg")   # no window, on any machine
 

@@ -24,7 +24,8 @@ from course_lib.per_rank import activation_bytes_per_rank, params_per_rank, sent
 from course_lib.pipeline_parallel import partition_layers
 from course_lib.tensor_parallel import check_tp_divisible, tp_step_traffic
 from course_lib.virtual import MetaFlashAttention, fake_world, main, run_rank
-from course_lib.zero import ZeroDataParallel, wire_bytes_per_step
+from course_lib.zero import ZeroDataParallel
+from course_lib.zero_bytes import wire_bytes_per_step
 
 TINY = preset("tiny")           # 4 layers: over 3 stages, 2 + 1 + 1
 LLAMA_70B = preset("llama2-70b")

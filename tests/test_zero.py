@@ -32,12 +32,8 @@ from course_lib.measure import measure_state_bytes
 from course_lib.model import build, count_params, loss_fn, preset
 from course_lib.runs.zero import fully_shard_traffic, train
 from course_lib.train import reference_run
-from course_lib.zero import (
-    ZeroDataParallel,
-    default_units,
-    padded_num_params,
-    wire_bytes_per_step,
-)
+from course_lib.zero import ZeroDataParallel, default_units, padded_num_params
+from course_lib.zero_bytes import wire_bytes_per_step
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 

@@ -13,7 +13,8 @@ from course_lib.data import SyntheticTokens
 from course_lib.ledger import zero_state_bytes
 from course_lib.model import build, loss_fn, preset
 from course_lib.runs.zero import train
-from course_lib.zero import ZeroDataParallel, transient_weight_bytes, wire_bytes_per_step
+from course_lib.zero import ZeroDataParallel
+from course_lib.zero_bytes import transient_gradient_bytes, transient_weight_bytes, wire_bytes_per_step
 
 pytestmark = pytest.mark.ranks   # run apart with: pytest -m ranks
 
@@ -30,6 +31,11 @@ def kept_gathered_runs(rank, world_size):
     runs["adam"] = train(rank, world_size, zero_stage=3, steps=STEPS, dtype=torch.float64, reshard_after_forward=False)
     runs["fully_shard"] = train(rank, world_size, impl="fully_shard", steps=STEPS, dtype=torch.float64,
                                 reshard_after_forward=False)
+    # across micro-steps, as torch's pipelining runs FSDP: ours and fully_shard's
+    keep = dict(zero_stage=3, steps=2, accumulation_steps=ACCUMULATION_STEPS, optimizer="sgd", lr=0.1,
+                dtype=torch.float64, reshard_after_forward=False, reshard_after_backward=False)
+    runs["kept across"] = train(rank, world_size, memory_trace=True, **keep)
+    runs["fully_shard kept across"] = train(rank, world_size, impl="fully_shard", **keep)
     return runs
 
 
@@ -85,11 +91,59 @@ def test_transient_weight_bytes_equal_the_measured_peak(kept_gathered):
             assert run["state"]["weights"] == at_rest
             held = [event["weights"] - at_rest for event in run["memory_trace"]]
             assert max(held) == predicted, (reshard, a)
+            whole_grads = max(event["grads"] for event in run["memory_trace"]) - run["state"]["grads"]
+            assert whole_grads == transient_gradient_bytes(UNIT_PARAMS, 3, 8) == 8 * max(UNIT_PARAMS), (reshard, a)
             assert held[-1] == 0                                   # all freed after the step
             if reshard:
                 size = dict(zip(UNIT_NAMES, UNIT_PARAMS))
                 assert all(gathered == 8 * size[event["unit"]] for event, gathered in zip(run["memory_trace"], held)
                            if event["event"].startswith("gather")), "two units gathered at once"
+
+
+def test_zero3_kept_across_micro_steps_matches_one_process_and_gathers_once_a_step(kept_gathered):
+    """reshard_after_backward=False (torch's pipelining with FSDP): the same weights as one process and as
+    fully_shard run the same way; each unit gathered once and reduced once per optimizer step, whatever A (the
+    traced bytes: zero_bytes.wire_bytes_per_step); its weights and whole gradients held from the first forward to
+    the step's reduce-scatter: transient_weight_bytes + transient_gradient_bytes above the state at rest."""
+    world_size, grad_bytes, a = 2, 8 * P, ACCUMULATION_STEPS
+    reference = one_process("sgd", 2, lr=0.1, accumulation_steps=a, steps=2)
+    expected = wire_bytes_per_step(grad_bytes, 3, world_size, a, False, reshard_after_backward=False)
+    assert expected == {"all_gather": grad_bytes / 2, "reduce_scatter": grad_bytes / 2}
+    at_rest = zero_state_bytes(P, 3, 2, weight_bytes=8, grad_bytes=8)
+    for ranks in kept_gathered:
+        run = ranks["kept across"]
+        assert {part: run["state"][part] for part in ("weights", "grads")} == {
+            part: at_rest[part] for part in ("weights", "grads")}
+        assert (run["params"] - reference).abs().max().item() < 1e-9
+        assert (run["params"] - ranks["fully_shard kept across"]["params"]).abs().max().item() < 1e-10
+        assert run["wire"] == [expected] * 2 and run["collectives"] == [2 * NUM_UNITS] * 2
+        gathers = [e["unit"] for e in run["memory_trace"] if e["event"].startswith("gather")]
+        assert gathers == UNIT_NAMES                               # A micro-steps, one gather per unit
+        weights = max(e["weights"] for e in run["memory_trace"]) - at_rest["weights"]
+        grads = max(e["grads"] for e in run["memory_trace"]) - at_rest["grads"]
+        assert weights == transient_weight_bytes(UNIT_PARAMS, 3, 8, False, 2, reshard_after_backward=False) == 8 * P
+        assert grads == transient_gradient_bytes(UNIT_PARAMS, 3, 8, reshard_after_backward=False) == 8 * P
+        assert run["memory_trace"][-1]["weights"] == at_rest["weights"]
+
+
+def _never_reduced(rank, world_size):
+    model = ZeroDataParallel(build(TINY, dtype=torch.float64), Comm(), zero_stage=3, optimizer_class=torch.optim.SGD,
+                             reshard_after_forward=False, reshard_after_backward=False, lr=0.1)
+    inputs, targets = SyntheticTokens(TINY.vocab_size, 32).batch(0, 2)
+    with model.no_sync():
+        loss_fn(model(inputs), targets).backward()
+    try:
+        model.step()
+    except RuntimeError as error:
+        refused = str(error)
+    model.finish_gradient_sync()                          # what a pipeline calls after its micro-batches
+    model.step()
+    return refused, sum(unit.gathered for unit in model.units)
+
+
+def test_gradients_kept_across_micro_steps_must_be_reduced_before_step():
+    refused, gathered = launch(_never_reduced, 1)[0]
+    assert "its gradients were never averaged" in refused and gathered == 0
 
 
 def test_transient_weight_bytes_formula():
@@ -99,6 +153,8 @@ def test_transient_weight_bytes_formula():
     assert transient_weight_bytes(units, 3, 2, world_size=4) == 2 * 12             # the flat buffer: 4·ceil(10/4)
     assert transient_weight_bytes(units, 3, 2, False, world_size=4) == 2 * (12 + 8 + 4)
     assert all(transient_weight_bytes(units, stage, 2) == 0 for stage in (0, 1, 2))    # weights whole already
+    assert [transient_gradient_bytes(units, stage, 4) for stage in range(4)] == [0, 0, 40, 40]   # one unit's, whole
+    assert transient_gradient_bytes(units, 3, 4, reshard_after_backward=False) == 80              # every unit's
     assert wire_bytes_per_step(1000, 3, 4, 2, reshard_after_forward=False) == {"all_gather": 1500.0,
                                                                                  "reduce_scatter": 1500.0}
 
@@ -114,6 +170,10 @@ def test_reshard_after_forward_false_needs_stage_3():
         wire_bytes_per_step(1000, 2, 4, reshard_after_forward=False)
     with pytest.raises(ValueError, match=r"reshard_after_forward=False with zero_stage=0"):
         transient_weight_bytes([10], 0, 2, reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"reshard_after_backward=False with reshard_after_forward=True: keeping"):
+        ZeroDataParallel(build(TINY), None, zero_stage=3, reshard_after_backward=False)
+    with pytest.raises(ValueError, match=r"reshard_after_backward=False with zero_stage=1"):
+        wire_bytes_per_step(1000, 1, 4, reshard_after_backward=False)
 
 
 def _forward_without_backward(rank, world_size):

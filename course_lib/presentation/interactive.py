@@ -140,7 +140,6 @@ def roofline_chart(operations, gpu, *, title: str = "each operation of one layer
     the achievable share of HBM) dashed. Each operation (kernel_times.Operation) is a marker at its intensity and
     the FLOP/s it achieves in the model, coloured by what bounds it (compute, memory, launch). Hover a marker for
     its name, FLOPs, bytes and time. The legend sits above the plot, off the data."""
-    from ..hardware import HBM_SHARE
     peak, bandwidth = gpu.peak_flops / 1e12, gpu.hbm_bytes_per_s / 1e12
     finite = [op.intensity for op in operations if op.bytes and op.flops]
     low, high = min(finite + [1.0]) / 2, max(finite + [4 * gpu.ridge_point]) * 2
@@ -148,7 +147,7 @@ def roofline_chart(operations, gpu, *, title: str = "each operation of one layer
     fig = go.Figure()
     fig.add_scatter(x=xs, y=[min(peak, x * bandwidth) for x in xs], mode="lines", line_color="black",
                     name="spec-sheet roof", hovertemplate="%{x:.3g} FLOPs/byte: %{y:.3g} TFLOP/s<extra>roof</extra>")
-    fig.add_scatter(x=xs, y=[min(gpu.matmul_share * peak, x * HBM_SHARE * bandwidth) for x in xs], mode="lines",
+    fig.add_scatter(x=xs, y=[min(gpu.matmul_share * peak, x * gpu.hbm_share * bandwidth) for x in xs], mode="lines",
                     line=dict(color="grey", dash="dash"), name="what kernels reach",
                     hovertemplate="%{x:.3g} FLOPs/byte: %{y:.3g} TFLOP/s<extra>reachable</extra>")
     for bound, color in BOUND_COLORS.items():

@@ -77,7 +77,7 @@ def replica_spread(model: nn.Module, comm: Comm) -> float:
 
 
 def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", steps: int = 3,
-                      per_rank_batch: int = 4, accumulation_steps: int = 1, bucket_bytes: int = 25 * MiB,
+                      micro_batch_size: int = 4, accumulation_steps: int = 1, bucket_bytes: int = 25 * MiB,
                       lr: float = 1e-2, optimizer: str = "adam", seq_len: int = 32, config=None, seed: int = 0,
                       bucket_log: bool = False, spread: bool = False, dtype=None) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model, in ``dtype``, float32 by default)
@@ -100,7 +100,7 @@ def run_data_parallel(rank: int, world_size: int, *, kind: str = "bucketed", ste
     records = []
     for step in range(steps):
         batches = [(x.to(dev), y.to(dev)) for x, y in
-                   micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)]
+                   micro_batches(data, step, micro_batch_size, rank, world_size, accumulation_steps)]
         if bucket_log and hasattr(parallel, "bucket_log"):   # ours; torch's DDP keeps no log
             parallel.bucket_log = []
         with comm.trace() as log:

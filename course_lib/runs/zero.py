@@ -21,26 +21,29 @@ from ..measure import measure_state_bytes
 from ..mixed_precision import MixedPrecisionAdam
 from ..model import build, loss_fn, preset
 from ..runtime.launch import device
-from ..zero import ZeroDataParallel, check_reshard_after_forward, default_units
+from ..zero import ZeroDataParallel, default_units
+from ..zero_bytes import check_resharding
 from .ddp import wrap
 
 IMPLEMENTATIONS = ("ours", "ddp", "zero_redundancy", "fully_shard")
 
 
-def train(rank: int, world_size: int, *, impl: str = "ours", zero_stage: int = 3, steps: int = 3, per_rank_batch: int = 4,
+def train(rank: int, world_size: int, *, impl: str = "ours", zero_stage: int = 3, steps: int = 3, micro_batch_size: int = 4,
           accumulation_steps: int = 1, seq_len: int = 32, lr: float = 1e-2, optimizer: str = "adam",
           dtype=torch.float32, config=None, seed: int = 0, memory_trace: bool = False, progress: bool = False,
-          reshard_after_forward: bool = True) -> dict:
+          reshard_after_forward: bool = True, reshard_after_backward: bool = True) -> dict:
     """A worker for ``launch``: train ``config`` (default: the tiny model) for ``steps`` steps with ``impl``:
     "ours" (ZeroDataParallel at ``zero_stage``), or torch's "ddp" (DistributedDataParallel, stage 0),
     "zero_redundancy" (DDP + ZeroRedundancyOptimizer: stage 1) or "fully_shard" (FSDP2 on the same units
     plus the root: stage 3). ``optimizer``: "adam" (torch's, foreach=False), "sgd", or "mixed"
     (MixedPrecisionAdam: 12 bytes of state per parameter; use it with dtype=torch.bfloat16).
-    ``accumulation_steps``: micro-steps of ``per_rank_batch`` rows per optimizer step (global batch =
-    per_rank_batch × world_size × accumulation_steps), all but the last inside ``no_sync()`` (ours, and torch's
+    ``accumulation_steps``: micro-steps of ``micro_batch_size`` rows per optimizer step (global batch =
+    micro_batch_size × world_size × accumulation_steps), all but the last inside ``no_sync()`` (ours, and torch's
     DDP under "ddp" and "zero_redundancy"; FSDP2 reduce-scatters every micro-step, as ZeRO-3 does).
     ``reshard_after_forward``: stage 3 only (ours, and fully_shard's units): False keeps each unit's gathered
-    weights from its forward to its backward.
+    weights from its forward to its backward; ``reshard_after_backward=False`` too keeps them, and whole gradients,
+    across the micro-steps, reduced once a step (fully_shard: set_reshard_after_backward and
+    set_requires_gradient_sync False for all but the last micro-step, as torch's pipelining does).
 
     Returns lists with one entry per step: "losses" (this rank's), "step_seconds", "comm_seconds" and
     "collectives" (ours: time in, and number of, traced collectives), "wire" (ours: {op: traced wire bytes}),
@@ -54,7 +57,8 @@ def train(rank: int, world_size: int, *, impl: str = "ours", zero_stage: int = 3
     comm, dev = Comm(), device()
     config = config or preset("tiny")
     module = build(config, seed=seed, device=dev, dtype=dtype)
-    model, update = _parallel_model(impl, module, comm, world_size, zero_stage, optimizer_class, lr, reshard_after_forward)
+    resharding = {"reshard_after_forward": reshard_after_forward, "reshard_after_backward": reshard_after_backward}
+    model, update = _parallel_model(impl, module, comm, world_size, zero_stage, optimizer_class, lr, resharding)
     data = SyntheticTokens(config.vocab_size, seq_len, seed=seed)
     run = {"losses": [], "step_seconds": [], "comm_seconds": [], "collectives": [], "wire": [], "bytes_written": [],
            "memory_trace": None}
@@ -63,10 +67,11 @@ def train(rank: int, world_size: int, *, impl: str = "ours", zero_stage: int = 3
         steps_range = tqdm(steps_range, desc=f"{impl} ZeRO-{zero_stage}" if impl == "ours" else impl, leave=False,
                            mininterval=1.0)
     for step in steps_range:
-        batches = micro_batches(data, step, per_rank_batch, rank, world_size, accumulation_steps)
+        batches = micro_batches(data, step, micro_batch_size, rank, world_size, accumulation_steps)
         if memory_trace and impl == "ours" and step == steps - 1:
             model.memory_trace = []
-        for key, value in _optimizer_step(impl, model, update, comm, batches, accumulation_steps, dev).items():
+        for key, value in _optimizer_step(impl, model, update, comm, batches, accumulation_steps, dev,
+                                          reshard_after_backward).items():
             run[key].append(value)
     run["state"] = measure_state_bytes(model, update)
     run["params"] = _full_weights(impl, model, module)
@@ -87,19 +92,20 @@ def _optimizer_class(impl: str, optimizer: str):
 
 
 def _parallel_model(impl: str, module, comm: Comm, world_size: int, zero_stage: int, optimizer_class, lr: float,
-                    reshard_after_forward: bool):
+                    resharding: dict[str, bool]):
     """(the model to call, what steps it): ZeroDataParallel and its optimizer, or torch's implementation around
     ``module`` with an optimizer over its parameters (ZeroRedundancyOptimizer's under "zero_redundancy")."""
     if impl == "ours":
-        model = ZeroDataParallel(module, comm, zero_stage=zero_stage, optimizer_class=optimizer_class,
-                                 reshard_after_forward=reshard_after_forward, lr=lr)
+        model = ZeroDataParallel(module, comm, zero_stage=zero_stage, optimizer_class=optimizer_class, lr=lr,
+                                 **resharding)
         return model, model.optimizer
-    check_reshard_after_forward(reshard_after_forward, 3 if impl == "fully_shard" else 0)   # DDP's: stage 0 or 1
+    check_resharding(resharding["reshard_after_forward"], 3 if impl == "fully_shard" else 0,   # DDP's: stage 0, 1
+                     resharding["reshard_after_backward"])
     model = module
     if impl == "fully_shard":
         mesh = init_device_mesh(device().type, (world_size,))
         for unit in default_units(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=resharding["reshard_after_forward"])
         fully_shard(module, mesh=mesh)
     else:
         model = wrap(module, "torch", comm)
@@ -108,11 +114,14 @@ def _parallel_model(impl: str, module, comm: Comm, world_size: int, zero_stage: 
     return model, optimizer_class(module.parameters(), lr=lr)
 
 
-def _optimizer_step(impl: str, model, update, comm: Comm, batches, accumulation_steps: int, dev) -> dict:
+def _optimizer_step(impl: str, model, update, comm: Comm, batches, accumulation_steps: int, dev,
+                    reshard_after_backward: bool = True) -> dict:
     """One optimizer step over ``batches``, all micro-steps but the last inside ``no_sync()`` where the
     implementation has it; traced, timed and counted: this step's entry of each of ``train``'s lists."""
     ours = impl == "ours"
     accumulate = model.no_sync if impl in ("ours", "ddp", "zero_redundancy") else contextlib.nullcontext
+    if impl == "fully_shard" and not reshard_after_backward:
+        accumulate = functools.partial(_fsdp_no_sync, model)
     if not ours:
         update.zero_grad(set_to_none=False)        # keep gradient memory allocated, as ours does
     comm.barrier()
@@ -133,6 +142,18 @@ def _optimizer_step(impl: str, model, update, comm: Comm, batches, accumulation_
             "comm_seconds": sum(record.seconds for record in log.records) if ours else None,
             "collectives": len(log.records), "wire": {op: totals.wire_bytes for op, totals in log.summary().items()},
             "bytes_written": None if written is None else bytes_written() - written}
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    """FSDP2 across micro-steps as torch's pipelining runs it: no reduce-scatter, no reshard after backward."""
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def _full_weights(impl: str, model, module) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The checker of notebook 09's exercise (a layout at scale), kept apart so that exercises.py stays short to
 read; exercises.py wraps and re-exports it, so notebooks call ``exercises.check_layout_at_scale`` like the others.
 
-An answer is judged by the course's own models, with the planner's assumptions (recipes.compare_recipes):
-recipes.memory_per_gpu for what its busiest GPU holds (state + activations + reserve) and cost.step_time for
-its step (each operation on its roofline, TP, PP, DP with half of it hidden, the bubble, the optimizer).
+An answer is judged by the course's own models, with the planner's assumptions (recipes.cost_layout, as
+compare_recipes costs each layout): recipes.memory_per_gpu for what its busiest GPU holds (state + activations +
+reserve) and cost.step_time for its step (each operation on its roofline, TP, PP, DP with half of it hidden, the
+bubble, the optimizer); ZeRO-3 beside a pipeline as torch's pipelining runs it, where that fits.
 
 Where a step's time goes. MFU = model FLOPs / (step time × peak × GPUs), so a step that did nothing but the
 model's FLOPs, evenly spread over the GPUs at the share of peak e its busiest GPU's compute reaches
@@ -17,13 +18,13 @@ computing longer than the average one (uneven stages; the last stage also runs t
 rank in the course's apply_tp). The hint names the largest.
 """
 
-from ...cost import StepTime, step_time
+from ...cost import StepTime
 from ...hardware import find_gpu
 from ...ledger import RECOMPUTE, ZERO_STAGES
 from ...mesh import Mesh
 from ...model import preset
 from ...plan import bad_smells
-from ...recipes import Workload, memory_per_gpu, seconds_text, size_text
+from ...recipes import Workload, cost_layout, seconds_text, size_text
 from .layout import read_answer
 
 CONFIG = preset("llama2-70b")
@@ -60,11 +61,9 @@ def judge(answer: dict) -> tuple[Mesh, int, dict[str, int], StepTime]:
     mesh = Mesh(dp=answer["dp"], tp=answer["tp"], pp=answer["pp"])
     workload = Workload(seq_len=SEQ_LEN, micro_batch_size=answer["micro_batch_size"], global_batch_size=GLOBAL_BATCH,
                         recompute=answer["recompute"], sequence_parallel=answer["sequence_parallel"])
-    m = workload.num_microbatches(mesh.dp)
-    memory = memory_per_gpu(CONFIG, mesh, answer["zero_stage"], workload, gpu_bytes=find_gpu(GPU).memory_bytes)
-    job = workload.job(CONFIG, mesh, answer["zero_stage"], gpu=GPU, gpus_per_node=GPUS_PER_NODE)
-    time = step_time(job, dp_overlap=DP_OVERLAP)
-    return mesh, m, memory, time
+    layout = cost_layout("yours", CONFIG, mesh, answer["zero_stage"], workload, gpu_bytes=find_gpu(GPU).memory_bytes,
+                         gpu=GPU, gpus_per_node=GPUS_PER_NODE, dp_overlap=DP_OVERLAP)
+    return mesh, layout.num_microbatches, layout.memory, layout.time
 
 
 def losses(time: StepTime) -> dict[str, float]:

@@ -8,11 +8,10 @@ from ... import hardware
 from ...ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
 from ...mesh import Mesh
 from ...model import ModelConfig, param_count_formula, preset
-from ...per_rank import layer_params
 from ...plan import bad_smells, plan
-from ...recipes import RESERVE_SHARE, Workload, memory_per_gpu, stage_name, state_per_gpu
+from ...recipes import RESERVE_SHARE, Workload, memory_parts, memory_per_gpu, stage_name, state_per_gpu
 from ...units import GiB
-from ...zero import wire_bytes_per_step
+from ...zero_bytes import wire_bytes_per_step
 from .. import plots
 from ._panel import ExplorerPanel, format_bytes, plural
 
@@ -158,24 +157,9 @@ def zero_explorer(model="Llama-2-7B", zero_stage=1, ranks=8, convention="mixed",
     return panel
 
 
-def _memory_parts(config, mesh: Mesh, zero_stage: int, memory: dict[str, int], num_chunks: int = 1) -> dict[str, int]:
-    """``memory`` (recipes.memory_per_gpu: state, activations, reserve) as plots.memory_bars draws it: the state
-    split into weights, grads and optimizer state, on the pipeline stage whose state it counted (ZeRO-3's
-    gathered layer counted with the weights and grads)."""
-    gathered = layer_params(config, mesh.tp) if zero_stage == 3 else 0
-    per_param = CONVENTIONS["mixed"]                    # plan's convention
-    for stage in range(mesh.pp):
-        state = state_per_gpu(config, mesh, zero_stage, pp_stage=stage, num_chunks=num_chunks)
-        parts = {"weights": state["weights"] + per_param.weight_bytes * gathered,
-                 "grads": state["grads"] + per_param.grad_bytes * gathered, "optimizer": state["optimizer"]}
-        if sum(parts.values()) == memory["state"]:
-            return {**parts, "activations": memory["activations"], "reserve": memory["reserve"]}
-    raise AssertionError(f"no stage of {mesh} holds {memory['state']} bytes of state")   # recipes changed
-
-
 def _layout_text(mesh: Mesh, zero_stage: int, num_chunks: int = 1) -> str:
     """The layout as a bar's label. Without a dp axis ZeRO-1 and -2 change nothing, but ZeRO-3 still gathers one
-    layer whole beside the shards (recipes.memory_per_gpu counts it), and an interleaved pipeline (v chunks per
+    unit whole beside the shards (recipes.memory_per_gpu counts it), and an interleaved pipeline (v chunks per
     GPU) holds more activations: two layouts that differ in bytes never share a label."""
     if mesh.dp == 1:
         axis = "no dp, ZeRO-3's gathered layer" if zero_stage == 3 else "no dp"
@@ -250,11 +234,11 @@ def _plan_rows(config, chosen_plan, n: int, workload, capacity: int) -> dict:
         return {k: {p: v[p] for p in ("weights", "grads", "optimizer")} for k, v in ladder.items()}
     mesh, stage = chosen_plan.source
     memory = memory_per_gpu(config, mesh, stage, workload, gpu_bytes=capacity)
-    rows = {f"questions 1-3: {_layout_text(mesh, stage)}": _memory_parts(config, mesh, stage, memory)}
+    rows = {f"questions 1-3: {_layout_text(mesh, stage)}": memory_parts(workload.job(config, mesh, stage), memory)}
     for i, c in enumerate(chosen_plan.candidates):   # fastest first: the chosen one is the first
         mark = "▶ " if chosen_plan.fits and i == 0 else ""
         label = f"{mark}{c.recipe}: {_layout_text(c.mesh, c.zero_stage, c.num_chunks)}"
-        rows[label] = _memory_parts(config, c.mesh, c.zero_stage, c.memory, c.num_chunks)
+        rows[label] = memory_parts(c.job, c.memory)
     return rows
 
 

@@ -120,7 +120,7 @@ def tp_speed_explorer(measured: list[dict] | None = None, hiddens=(64, 128, 256,
 # ---- 02 · data parallelism ----------------------------------------------------------------------------
 
 def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket="64 KiB", steps=6, config=None,
-                         per_rank_batch=4, seq_len=32):
+                         micro_batch_size=4, seq_len=32):
     """Ranks and bucket size → a real data-parallel run: the step time split into compute, exposed
     communication and optimizer (every setup explored so far at this number of ranks), and the timeline of
     one step on every rank, all-reduces included.
@@ -146,7 +146,7 @@ def ddp_overlap_explorer(world_sizes=(1, 2, 3, 4), buckets=None, ranks=2, bucket
             bucket_bytes = buckets[label]
             runs[world_size, label] = groups[world_size].run(run_data_parallel, dict(
                 kind="naive" if bucket_bytes is None else "bucketed", bucket_bytes=bucket_bytes or MiB,
-                steps=steps, bucket_log=True, config=config, per_rank_batch=per_rank_batch, seq_len=seq_len))
+                steps=steps, bucket_log=True, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len))
             seconds[world_size] = time.perf_counter() - start
 
     def show(chosen):

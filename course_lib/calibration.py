@@ -1,0 +1,242 @@
+"""This machine as the cost model's hardware: its rates measured on the kernels that define them, so that
+cost.step_time can predict the course's own live runs, and be checked against them (benchmarks/cost_model.py).
+
+The GPU catalogue (course_lib.hardware) takes its figures from spec sheets and kernel benchmarks. Here each one
+is measured, by every rank at once as the runs will run (2 ranks on 2 cores: one core each), on kernels and on
+a degenerate model, never on the runs the model then predicts:
+
+    matmul     torch.mm in the run's dtype, a weight's three GEMMs (forward, and backward's two with a transposed
+               operand) on a grid of shapes from 16 to 1,024: (time - one op's launch) = 2mnk / rate,
+               rate = peak · f(m)·f(n)·f(k), f(x) = x / (x + x_half) (hardware.matmul_rate); peak and x_half
+               fitted by least squares on log(rate)
+    attention  torch's SDPA, causal, forward + backward, 64 tokens, head dims 8 to 128: its rate as a share of
+               that peak, × h_d / (h_d + half) (attention_share, attention_half_dim; FLOPs as kernel_times counts
+               a causal kernel's, half the square, as FlashAttention does)
+    memory     c = a + b on 4M elements: 3 elements moved per element (hbm_bytes_per_s, at share 1)
+    launch     c = a + b on one element: the least an op takes. On a CPU an op's dispatch runs before its work,
+               so the two add (GPU.launch_adds), where a GPU queues kernels ahead and takes the longer
+    per layer  a training step of the course's runner (runs.mesh.train_3d, one rank) on the width-8 model of 2
+               layers less one of 1 layer, 4 tokens, less what kernel_times says the layer's kernels take and
+               what one more layer adds to Adam's step (its loop over the layer's tensors, measured apart on the
+               bare model): the framework's own work per layer and micro-batch, and per layer once a step
+    per step   the 1-layer step less its kernels (layer, head, optimizer) and the per-layer work: the
+               framework's own work once a step (the loss, the embedding, the executor, zeroing)
+    gloo       course_lib.comm.Comm's all-reduce of 1 to 4M elements: α and β of α + wire bytes / β by least
+               squares, the one link every axis uses on this machine (NVLink and network alike)
+
+    measured = launch(measure, 2)[0]; cpu = as_gpu(measured)   # or, in one call: calibrate(2)
+    step_time(Job(..., dtype="fp32", gpu=cpu, gpus_per_node=2))
+
+Each figure is the median of repeats (the machine's other work makes the mean drift up).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from .comm import Comm, wire_bytes
+from .hardware import GPU, Link, matmul_rate
+from .kernel_times import head_operations, layer_operations, optimizer_operation
+from .model import build, loss_fn, preset
+from .runs.mesh import train_3d
+from .runtime.launch import launch
+
+MATMUL_SIZES = (16, 64, 256, 1024)
+ATTENTION_HEAD_DIMS = (8, 16, 32, 64, 128)
+ALL_REDUCE_SIZES = tuple(4**i for i in range(12))     # 1 to 4M elements
+DEGENERATE = dict(hidden=8, num_heads=2, num_kv_heads=1, intermediate=8, vocab_size=8, max_seq_len=4)
+DTYPE_BYTES = {torch.float32: 4, torch.float64: 8}
+
+
+def _seconds(work, repeats: int = 15, warmup: int = 3) -> float:
+    """The median time of ``work()`` over ``repeats`` runs, after ``warmup`` runs."""
+    for _ in range(warmup):
+        work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(rank: int, world_size: int, *, dtype=torch.float32) -> dict:
+    """A worker for ``launch``: every measurement of the module docstring on this rank, as plain numbers."""
+    comm = Comm()
+    one = torch.ones(1, dtype=dtype)
+    comm.barrier()                                      # each phase starts on every rank at once
+    launch_s = _seconds(lambda: torch.add(one, one), repeats=200)
+    matmuls = []
+    for m in MATMUL_SIZES:
+        for k in MATMUL_SIZES:
+            matmuls += _gemms(m, k, 128, dtype)
+    big = [torch.randn(4 * 2**20, dtype=dtype) for _ in range(3)]
+    comm.barrier()
+    stream_s = _seconds(lambda: torch.add(big[0], big[1], out=big[2]), repeats=7)
+    all_reduces = []
+    for numel in ALL_REDUCE_SIZES:
+        tensor = torch.ones(numel, dtype=dtype)
+        comm.barrier()
+        all_reduces.append((wire_bytes("all_reduce", tensor.nbytes, world_size),
+                            _seconds(lambda: comm.all_reduce(tensor), repeats=15)))
+    comm.barrier()
+    attention = _attention(dtype)
+    comm.barrier()
+    steps = _degenerate_steps(dtype)
+    return {"dtype_bytes": DTYPE_BYTES[dtype], "launch_s": launch_s, "matmuls": matmuls,
+            "stream_bytes_per_s": 3 * big[0].nbytes / stream_s, "attention": attention, "steps": steps,
+            "all_reduces": all_reduces, "world_size": world_size}
+
+
+def _gemms(m: int, k: int, n: int, dtype) -> list[tuple[int, int, int, float]]:
+    """A weight's three GEMMs as kernel_times counts them, each (m, n, k, seconds): forward [m, k] × [k, n], the
+    input's gradient [m, n] × [n, k] and the weight's [k, m] × [m, n], each with a transposed operand as backward
+    has them (the weight's and the input's transposes are views, not copies)."""
+    x, w, dy = (torch.randn(rows, cols, dtype=dtype) for rows, cols in ((m, k), (n, k), (m, n)))
+    return [(m, n, k, _seconds(lambda: torch.mm(x, w.t()), repeats=7)),
+            (m, k, n, _seconds(lambda: torch.mm(dy, w), repeats=7)),
+            (k, n, m, _seconds(lambda: torch.mm(x.t(), dy), repeats=7))]
+
+
+def _attention(dtype) -> list[dict]:
+    """Causal SDPA forward + backward on [1, 8 heads, 64 tokens, h_d] for each head dim: shape and seconds."""
+    runs = []
+    for head_dim in ATTENTION_HEAD_DIMS:
+        q, k, v = (torch.randn(1, 8, 64, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        runs.append({"heads": 8, "seq_len": 64, "head_dim": head_dim, "seconds": _seconds(run, repeats=9)})
+    return runs
+
+
+def _degenerate_steps(dtype, repeats: int = 31) -> dict:
+    """Training steps of the width-8 model with 1 and with 2 layers on 4 tokens, alternated so that both meet the
+    same machine: each one's median forward + backward seconds, and its Adam step's (with zero_grad)."""
+    models = {layers: build(preset("tiny", num_layers=layers, **DEGENERATE), dtype=dtype) for layers in (1, 2)}
+    optimizers = {layers: torch.optim.Adam(model.parameters(), lr=1e-3) for layers, model in models.items()}
+    tokens = torch.randint(0, 8, (1, 4))
+    times = {layers: {"forward_backward_s": [], "update_s": []} for layers in models}
+    for repeat in range(repeats + 3):
+        for layers, model in models.items():
+            start = time.perf_counter()
+            loss_fn(model(tokens), tokens).backward()
+            middle = time.perf_counter()
+            optimizers[layers].step()
+            optimizers[layers].zero_grad()
+            if repeat >= 3:                              # the first three warm up
+                times[layers]["forward_backward_s"].append(middle - start)
+                times[layers]["update_s"].append(time.perf_counter() - middle)
+    return {layers: {part: statistics.median(values) for part, values in parts.items()}
+            for layers, parts in times.items()}
+
+
+def _fit_matmul(matmuls, launch_s: float) -> tuple[float, float]:
+    """(peak, x_half) of rate = peak · f(m)·f(n)·f(k) that fit the measured rates best in log space."""
+    points = [(m, n, k, 2 * m * n * k / max(seconds - launch_s, 1e-9)) for m, n, k, seconds in matmuls]
+
+    def error(half: float) -> tuple[float, float]:
+        logs = [math.log(rate) - sum(math.log(x / (x + half)) for x in (m, n, k)) for m, n, k, rate in points]
+        mean = sum(logs) / len(logs)
+        return sum((x - mean) ** 2 for x in logs), math.exp(mean)
+    best = min((error(half), half) for half in (2 ** (i / 4) for i in range(41)))   # x_half from 1 to 1,024
+    (_, peak), half = best
+    return peak, half
+
+
+def _fit_attention(runs: list[dict], peak: float, half: float, launch_s: float) -> tuple[float, float]:
+    """(share, head-dim half) of rate = share · peak · f(s) · h_d / (h_d + half) that fit the measured SDPA runs
+    best in log space; FLOPs as kernel_times counts a causal kernel's: 3.5 × forward's, half the square."""
+    points = []
+    for run in runs:
+        s, heads, h_d = run["seq_len"], run["heads"], run["head_dim"]
+        flops = 3.5 * 4 * heads * s * s * h_d * 0.5
+        points.append((h_d, flops / max(run["seconds"] - 3 * launch_s, 1e-9) / (peak * s / (s + half))))
+
+    def error(head_half: float) -> tuple[float, float]:
+        logs = [math.log(share) - math.log(h_d / (h_d + head_half)) for h_d, share in points]
+        mean = sum(logs) / len(logs)
+        return sum((x - mean) ** 2 for x in logs), math.exp(mean)
+    (_, share), head_half = min((error(h), h) for h in (2 ** (i / 4) for i in range(41)))
+    return share, head_half
+
+
+def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(α, β) of seconds = α + wire bytes / β over the measured all-reduces, by least squares on the relative
+    error (weights 1/seconds²: a 4-byte call counts as much as a 16 MB one)."""
+    weights = [1 / y**2 for _, y in points]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points)) / total
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points)) / total
+    slope = (sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points))
+             / sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points)))
+    return max(mean_y - slope * mean_x, 0.0), 1 / slope
+
+
+def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
+    """The measurements as a hardware.GPU that cost.step_time takes: shares of 1 where the rate is measured."""
+    launch_s, e = measured["launch_s"], measured["dtype_bytes"]
+    peak, half = _fit_matmul(measured["matmuls"], launch_s)
+    attention_share, attention_half = _fit_attention(measured["attention"], peak, half, launch_s)
+    alpha, beta = _fit_link(measured["all_reduces"])
+    link = Link("gloo on this machine (measured)", beta, alpha,
+                "course_lib.calibration: Comm.all_reduce of 1 to 4M elements, α + wire bytes / β fitted")
+    source = f"course_lib.calibration on this machine, {measured['world_size']} ranks at once"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = GPU(name, peak, memory, measured["stream_bytes_per_s"], link, link, source, matmul_share=1.0,
+              attention_share=attention_share, matmul_half_dim=half, attention_half_dim=attention_half,
+              hbm_share=1.0, launch_s=launch_s,
+              launch_adds=True)
+    return _with_overheads(gpu, measured, e)
+
+
+def runner_steps(rank: int, world_size: int, *, dtype=torch.float32, steps: int = 16) -> dict[int, float]:
+    """A worker for ``launch`` on one rank: the course's own runner (runs.mesh.train_3d: parallelize, the pipeline
+    executor, the optimizer) on the width-8 model of 1 and of 2 layers, 4 tokens: each one's median step."""
+    return {layers: statistics.median(train_3d(rank, world_size, steps=steps, batch_size=1, seq_len=4,
+                                               num_microbatches=1, dtype=dtype, return_params=False,
+                                               num_layers=layers, **DEGENERATE)["step_seconds"][3:])
+            for layers in (1, 2)}
+
+
+def _with_overheads(gpu: GPU, measured: dict, e: int) -> GPU:
+    """The framework's work per layer and per step: the degenerate steps (the course's runner's, where measured,
+    else the bare model's), less what kernel_times counts for their kernels."""
+    config = preset("tiny", num_layers=1, **DEGENERATE)
+    kernels = dict(micro_batch_size=1, seq_len=4, bytes_per_element=e)
+    layer_kernels = sum(op.seconds for op in layer_operations(config, gpu, **kernels))
+    head_kernels = sum(op.seconds for op in head_operations(config, gpu, **kernels))
+    optimizer = optimizer_operation(gpu, sum(p.numel() for p in build(config).parameters()), e).seconds
+    bare = measured["steps"]
+    per_layer_update = max(bare[2]["update_s"] - bare[1]["update_s"], 0.0)     # Adam's loop over one more layer
+    steps = measured.get("runner_steps") or {n: bare[n]["forward_backward_s"] + bare[n]["update_s"] for n in (1, 2)}
+    per_layer = max(steps[2] - steps[1] - layer_kernels - per_layer_update, 0.0)
+    per_step = steps[1] - layer_kernels - per_layer - per_layer_update - head_kernels - optimizer
+    return replace(gpu, layer_overhead_s=per_layer, layer_update_overhead_s=per_layer_update,
+                   step_overhead_s=max(per_step, 0.0))
+
+
+def calibrate(world_size: int = 2, *, dtype=torch.float32) -> GPU:
+    """This machine measured by ``world_size`` ranks at once (rank 0's figures), and the course's runner's own
+    work on one rank, as a hardware.GPU."""
+    measured = launch(measure, world_size, dtype=dtype)[0]
+    measured["runner_steps"] = launch(runner_steps, 1, dtype=dtype)[0]
+    return as_gpu(measured)
+
+
+def describe(gpu: GPU) -> str:
+    """The measured figures in one paragraph, for a benchmark's or a notebook's output."""
+    return (f"matmul peak {gpu.peak_flops / 1e9:.1f} GFLOP/s (x_half {gpu.matmul_half_dim:.0f}; a 512² GEMM: "
+            f"{matmul_rate(gpu, 512, 512, 512) / 1e9:.1f}), attention at {gpu.attention_share:.0%} of it (head-dim half "
+            f"{gpu.attention_half_dim:.0f}), memory "
+            f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s, an op {gpu.launch_s * 1e6:.1f} µs, per layer "
+            f"{gpu.layer_overhead_s * 1e3:.2f} ms (and {gpu.layer_update_overhead_s * 1e3:.2f} ms a step), per step "
+            f"{gpu.step_overhead_s * 1e3:.2f} ms, gloo α "
+            f"{gpu.nvlink.alpha_s * 1e6:.0f} µs, β {gpu.nvlink.bytes_per_s / 1e9:.2f} GB/s")

@@ -1,0 +1,64 @@
+"""course_lib.calibration: the fits recover what made their data, and a measured machine is a GPU the step-time
+model takes. (The measurements themselves, and the model against the live runs, are benchmarks/cost_model.py:
+timing is a benchmark, not a test.)"""
+
+import math
+
+import pytest
+
+from course_lib import calibration
+from course_lib.cost import step_time
+from course_lib.hardware import GPUS, matmul_rate
+from course_lib.job import Job
+from course_lib.mesh import Mesh
+from course_lib.model import preset
+
+
+def made_up_measurements(peak=80e9, half=20.0, alpha=300e-6, beta=1e9, launch_s=2e-6):
+    """What calibration.measure returns, made from known constants (and the degenerate steps' seconds)."""
+    matmuls = [(m, 128, k, launch_s + 2 * m * 128 * k / (peak * m / (m + half) * 128 / (128 + half) * k / (k + half)))
+               for m in calibration.MATMUL_SIZES for k in calibration.MATMUL_SIZES]
+    attention = []
+    for h_d in calibration.ATTENTION_HEAD_DIMS:
+        flops = 3.5 * 4 * 8 * 64 * 64 * h_d * 0.5
+        rate = 0.5 * peak * 64 / (64 + half) * h_d / (h_d + 32)
+        attention.append({"heads": 8, "seq_len": 64, "head_dim": h_d, "seconds": 3 * launch_s + flops / rate})
+    return {"dtype_bytes": 4, "launch_s": launch_s, "matmuls": matmuls, "stream_bytes_per_s": 20e9,
+            "attention": attention, "world_size": 2,
+            "all_reduces": [(wire, alpha + wire / beta) for wire in (4.0, 4e3, 4e5, 4e7)],
+            "steps": {1: {"forward_backward_s": 2e-3, "update_s": 0.5e-3},
+                      2: {"forward_backward_s": 3e-3, "update_s": 0.8e-3}},
+            "runner_steps": {1: 5e-3, 2: 7e-3}}
+
+
+def test_the_fits_recover_the_constants_that_made_the_data():
+    gpu = calibration.as_gpu(made_up_measurements())
+    assert gpu.peak_flops == pytest.approx(80e9, rel=0.05) and 16 <= gpu.matmul_half_dim <= 24
+    assert gpu.attention_share == pytest.approx(0.5, rel=0.1) and 27 <= gpu.attention_half_dim <= 38
+    assert gpu.nvlink.alpha_s == pytest.approx(300e-6, rel=1e-6) and gpu.nvlink.bytes_per_s == pytest.approx(1e9)
+    assert gpu.launch_adds and gpu.hbm_share == 1 and gpu.matmul_share == 1
+    assert gpu.layer_update_overhead_s == pytest.approx(0.3e-3)          # Adam's loop over one more layer
+    assert 0 < gpu.layer_overhead_s < 2e-3 and gpu.step_overhead_s > 0    # the runner's, less the kernels
+
+
+def test_a_measured_machine_costs_a_job_and_its_overheads_count():
+    gpu = calibration.as_gpu(made_up_measurements())
+    job = Job(preset("tiny"), Mesh(dp=2), seq_len=64, micro_batch_size=4, zero_stage=0, dtype="fp32", gpu=gpu,
+              gpus_per_node=2)
+    time = step_time(job)
+    framework = [op for op in time.operations if op.name == "framework, per layer"]
+    assert framework and framework[0].seconds == pytest.approx(4 * gpu.layer_overhead_s)
+    assert time.overhead_s == pytest.approx(gpu.step_overhead_s + 4 * gpu.layer_update_overhead_s)
+    assert time.total_s == pytest.approx(sum(time.breakdown().values()))
+    assert "1.0 GB/s" in calibration.describe(gpu) or "1.00 GB/s" in calibration.describe(gpu)
+
+
+def test_a_cpu_adds_an_ops_launch_to_its_work_where_a_gpu_takes_the_longer():
+    gpu = calibration.as_gpu(made_up_measurements())
+    rate = matmul_rate(gpu, 64, 64, 64)
+    from course_lib.kernel_times import matmul
+    one = matmul("x", gpu, 64, 64, 64, 4, passes=1)
+    assert one.seconds == pytest.approx(2 * 64**3 / rate + gpu.launch_s)
+    a100 = GPUS["A100 80GB"]
+    assert matmul("x", a100, 8, 8, 8, 2, passes=1).seconds == pytest.approx(a100.launch_s)    # launch-bound: max
+    assert not math.isclose(a100.attention_half_dim, gpu.attention_half_dim)
