@@ -36,6 +36,14 @@ Names, as torch's get_state_dict flattens them: ``model.<param>``, ``optimizer.s
 ``.exp_avg_sq``, and ``train`` (the step, the data position, torch's RNG state). Adam's step counter, one per
 parameter in torch, equals the training step for all of them: it is saved once, in ``train``.
 
+A save is never seen half done. Every rank writes into ``<path>.partial``; once all of them have written and rank
+0 has written DCP's .metadata, rank 0 renames it to ``<path>``: a rename is atomic, so ``<path>`` is either the
+last complete checkpoint or the new complete one, never a mix (DCP writes in place: a rank killed while
+overwriting a folder left it with half its files of the new step, and load said nothing). Overwriting moves the
+old folder aside to ``<path>.replaced`` first and removes it after; if a crash falls between those two renames,
+``load`` and ``latest`` read ``<path>.replaced``, which is still whole. An asynchronous save commits the same way
+when its writes finish; one that never finishes is never committed, and the old checkpoint stays.
+
 Bytes per rank (float64 Adam: 8 bytes of weight + 16 of moments per parameter): 24 × the parameters the rank
 writes; over the ranks of one (stage, tp) place, 24 × (per_rank.params_per_rank − the TP-replicated ones on tp ranks
 other than 0): the ledger's weights + optimizer state, divided over dp, each parameter once. The whole checkpoint is
@@ -45,6 +53,8 @@ other than 0): the ledger's weights + optimizer state, divided over dp, each par
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 import warnings
 
 import torch
@@ -240,14 +250,72 @@ def train_state(step: int, *, seed: int, batch_size: int) -> dict:
             "rng": torch.get_rng_state()}
 
 
+PARTIAL, REPLACED = ".partial", ".replaced"
+
+
 def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous: bool = False):
-    """Write this rank's boxes (a collective: every rank calls it). ``asynchronous``: dcp.async_save, which
-    stages (copies) the state in memory, returns, and writes in a background thread: wait on the returned future
-    before the next save. Returns the future, or DCP's metadata."""
+    """Write this rank's boxes (a collective: every rank calls it) into ``path``.partial, then commit it as
+    ``path`` (module docstring). ``asynchronous``: dcp.async_save, which stages (copies) the state in memory,
+    returns, and writes in a background thread, committed when it is done: wait on the returned future before the
+    next save. Returns the future, or DCP's metadata."""
+    path = os.path.normpath(path)
+    staging = path + PARTIAL
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)     # an earlier save of this path that never finished
+    torch.distributed.barrier()
     state = course_state(data_parallel, mesh, rank, train)
     if asynchronous:
-        return dcp.async_save(state, checkpoint_id=path, planner=CourseSavePlanner())
-    return dcp.save(state, checkpoint_id=path, planner=CourseSavePlanner())
+        future = dcp.async_save(state, checkpoint_id=staging, planner=CourseSavePlanner())
+        return PendingSave(future, staging, path, commits=rank == 0)
+    metadata = dcp.save(state, checkpoint_id=staging, planner=CourseSavePlanner())
+    torch.distributed.barrier()                          # every rank has written, rank 0 the .metadata
+    if rank == 0:
+        _commit(staging, path)
+    torch.distributed.barrier()                          # nobody reads ``path`` before it is there
+    return metadata
+
+
+class PendingSave:
+    """dcp.async_save's future, committed by rank 0 as soon as its writes are done (on rank 0, done means every
+    rank's file and the .metadata are written): ``result()`` returns once it is. Another rank that reads the
+    checkpoint next waits for rank 0 first (a barrier), as after any collective write."""
+
+    def __init__(self, future, staging: str, path: str, commits: bool):
+        self._future, self._staging, self._path = future, staging, path
+        self._lock, self._committed = threading.Lock(), not commits
+        future.add_done_callback(self._commit)
+
+    def _commit(self, future) -> None:
+        with self._lock:
+            if not self._committed and future.exception() is None:
+                _commit(self._staging, self._path)
+                self._committed = True
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None):
+        value = self._future.result(timeout)
+        self._commit(self._future)
+        return value
+
+
+def _commit(staging: str, path: str) -> None:
+    """Make the complete checkpoint in ``staging`` the one at ``path`` (an old one moved aside, then removed)."""
+    if os.path.exists(path):
+        shutil.rmtree(path + REPLACED, ignore_errors=True)
+        os.rename(path, path + REPLACED)
+    os.rename(staging, path)
+    shutil.rmtree(path + REPLACED, ignore_errors=True)
+
+
+def committed(path: str) -> str:
+    """The folder that holds the committed checkpoint ``path``: itself, or, if a commit was cut between its two
+    renames, the old one moved aside (``path``.replaced, still whole). Raises FileNotFoundError naming ``path``."""
+    for candidate in (path, os.path.normpath(path) + REPLACED):
+        if os.path.exists(os.path.join(candidate, ".metadata")):
+            return candidate
+    raise FileNotFoundError(f"no complete checkpoint at {path} (no .metadata: never saved, or its save was cut)")
 
 
 def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
@@ -256,7 +324,7 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
     the same keys, e.g. train_state(0, ...), whose values are replaced). ZeRO-1/2 keep whole weights: after the
     shards are loaded the dp ranks all-gather them, as after an optimizer step."""
     state = course_state(data_parallel, mesh, rank, train)
-    dcp.load(state, checkpoint_id=path, planner=CourseLoadPlanner())
+    dcp.load(state, checkpoint_id=committed(path), planner=CourseLoadPlanner())
     data_parallel.regather_weights()
     resume_counters(data_parallel.optimizer, [unit.shard for unit in data_parallel.units], state["train"])
     return state["train"]
@@ -279,7 +347,8 @@ def load_plain(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: s
     state = plain_state(model, optimizer, train)
     with warnings.catch_warnings():   # without a process group DCP warns that it assumes one process: it is one
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(), no_dist=not torch.distributed.is_initialized())
+        dcp.load(state, checkpoint_id=committed(path), planner=DefaultLoadPlanner(),
+                 no_dist=not torch.distributed.is_initialized())
     resume_counters(optimizer, model.parameters(), state["train"])
     return state["train"]
 
@@ -320,9 +389,17 @@ def predicted_bytes(config, mesh, stage: int, tp_rank: int, bytes_per_param: int
 
 
 def latest(root: str) -> str | None:
-    """The newest complete checkpoint under ``root`` (folders named so that they sort by step), or None. DCP writes
-    a checkpoint's .metadata last, once every rank has written its file: a folder without it is an interrupted save."""
+    """The newest committed checkpoint under ``root`` (folders named so that they sort by step), or None: never a
+    ``.partial`` folder (a save not yet committed, or cut), and a ``.replaced`` one only where its commit was cut
+    between its two renames (it is then the checkpoint of that name; ``load`` finds it)."""
     if not os.path.isdir(root):
         return None
-    done = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, ".metadata")))
+    names = {name.removesuffix(REPLACED) for name in os.listdir(root) if not name.endswith(PARTIAL)}
+    done = []
+    for name in sorted(names):
+        try:
+            committed(os.path.join(root, name))
+            done.append(name)
+        except FileNotFoundError:
+            pass
     return os.path.join(root, done[-1]) if done else None

@@ -14,6 +14,10 @@ launches again, as the notebook does. Either way the new ranks resume from the n
 finish. Then the checkpoint taken before the kill is loaded into another layout of the same world (resharding)
 and trained to the end too. Checked: both runs end within 1e-12 of one process trained without a break; the work
 lost is the steps since that checkpoint. Writes --out/checkpoint.json (the lab's record; default labs/results).
+
+What it deletes: only its own step_NNNNN folders under --out/checkpoints, at the start of a run, in a folder it
+made (it leaves a marker file there, .made-by-labs-checkpoint). Anything else in that folder stays; a non-empty
+--out/checkpoints it did not make is refused, unless --force (then too only its step_NNNNN folders go).
 """
 
 import atexit
@@ -21,6 +25,7 @@ import datetime
 import os
 import shutil
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,11 +61,35 @@ def join_this_attempt(backend: str, world_size: int) -> None:
     atexit.register(leave_cleanly)       # as launch does for the groups it makes under torchrun
 
 
+MARKER = ".made-by-labs-checkpoint"
+
+
+def claim_checkpoint_folder(root: Path, force: bool) -> str | None:
+    """Make ``root`` this lab's (create it with its marker), or say why not: a non-empty folder the lab did not
+    make is someone else's, unless ``force``. Returns the refusal, or None."""
+    if root.exists() and not root.is_dir():
+        return f"--out: {root} is a file, not a folder for checkpoints"
+    if root.is_dir() and any(root.iterdir()) and not (root / MARKER).exists() and not force:
+        return (f"--out: {root} is not empty and this lab did not make it; it deletes its own step_NNNNN folders "
+                "there: choose another --out, or pass --force")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).touch()
+    return None
+
+
+def remove_old_steps(root: str) -> None:
+    """The step_NNNNN folders a previous run of the lab saved (course_lib.runs.checkpoint names them so), and
+    nothing else."""
+    for entry in Path(root).glob("step_*"):
+        if entry.is_dir() and entry.name[len("step_"):].isdigit():
+            shutil.rmtree(entry)
+
+
 def attempt(rank, world_size, *, first: bool, root: str, **kwargs):
-    """One attempt of the job on every rank: the first starts from nothing (rank 0 clears old checkpoints) and
-    has a rank killed; a later one resumes from the newest checkpoint."""
+    """One attempt of the job on every rank: the first starts from nothing (rank 0 removes the lab's old
+    checkpoints) and has a rank killed; a later one resumes from the newest checkpoint."""
     if first and rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_old_steps(root)
     dist.barrier()
     if not first:
         kwargs["kill_at"] = None
@@ -76,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--no-kill", action="store_true",
                         help="kill nobody (torchrun without --max-restarts, as make gpu-check runs it): save, resume "
                              "in another layout, compare")
+    parser.add_argument("--force", action="store_true",
+                        help="use --out/checkpoints though this lab did not make it (only its step_NNNNN folders "
+                             "are deleted)")
     parser.set_defaults(seq_len=16, dtype="fp64")
     args = parse(parser, argv)
     if args.world_size not in LAYOUT_FOR:
@@ -85,6 +117,9 @@ def main(argv=None):
                      f"checkpoint, --every {args.every}) and --kill-rank {args.kill_rank} a rank of the {args.world_size}")
     if os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0" and not args.no_kill:
         parser.error("a rank is killed on purpose: run under torchrun --max-restarts 1 (or pass --no-kill)")
+    refusal = claim_checkpoint_folder(args.out / "checkpoints", args.force)
+    if refusal:
+        parser.error(refusal)
     source, target = (LAYOUTS[name] for name in LAYOUT_FOR[args.world_size])
     root = str(args.out / "checkpoints")
     config = preset("tiny", **model_overrides(args))
@@ -96,22 +131,24 @@ def main(argv=None):
     if args.no_kill:
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
             join_this_attempt(args.backend, args.world_size)
-        finished = launch(attempt, args.world_size, backend=args.backend, first=True, root=root, **job)
+        finished = launch(attempt, args.world_size, backend=args.backend, timeout=args.timeout, first=True, root=root, **job)
         finished[0]["resumed_from"] = os.path.join(root, f"step_{args.kill_at // args.every * args.every:05d}")
         finished[0]["started_at"] = args.kill_at      # nothing was lost: no rank died
     elif "TORCHELASTIC_RESTART_COUNT" in os.environ:   # torchrun: a dead rank ends this process; torchrun restarts us
         join_this_attempt(args.backend, args.world_size)
-        finished = launch(attempt, args.world_size, backend=args.backend, first=restarts == 0, root=root, **job)
+        finished = launch(attempt, args.world_size, backend=args.backend, timeout=args.timeout, first=restarts == 0, root=root, **job)
     else:                                             # here: catch the dead rank ourselves, and launch again
         try:
-            launch(attempt, args.world_size, backend=args.backend, first=True, root=root, **job)
+            launch(attempt, args.world_size, backend=args.backend, timeout=args.timeout, first=True, root=root, **job)
             raise AssertionError(f"rank {args.kill_rank} was to die in step {args.kill_at}, but the run finished")
         except RankError as error:
+            if error.rank != args.kill_rank or "SIGKILL" not in error.summary:   # not our kill: a real failure
+                raise
             print(f"attempt 1 failed as planned: {str(error).splitlines()[0]}")
         restarts = 1
-        finished = launch(attempt, args.world_size, backend=args.backend, first=False, root=root, **job)
+        finished = launch(attempt, args.world_size, backend=args.backend, timeout=args.timeout, first=False, root=root, **job)
     resumed_from = finished[0]["resumed_from"]
-    resharded = launch(save_and_resume, args.world_size, backend=args.backend, layout=target, root="",
+    resharded = launch(save_and_resume, args.world_size, backend=args.backend, timeout=args.timeout, layout=target, root="",
                        resume_from=resumed_from, **{k: v for k, v in common.items() if k != "steps"},
                        steps=args.steps)
     if not reports():

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,6 +46,9 @@ def lab_parser(doc: str, *, world_size: int = 2, steps: int = 20, lr: float = 1e
                              "notebooks and tests write to a temporary folder)")
     parser.add_argument("--backend", choices=("gloo", "nccl"),
                         help="default: nccl when every local rank has a GPU of its own, else gloo")
+    parser.add_argument("--timeout", type=real(above=0),
+                        help="seconds before unfinished ranks are stopped (default: 120 + 60 per step, so that a "
+                             "long healthy run is not taken for a hang)")
     if autocast:
         parser.add_argument("--dtype", choices=("bf16", "fp32"),
                             help="bf16: matmuls in bfloat16 under torch.autocast, weights, gradients and optimizer "
@@ -67,6 +71,8 @@ def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Na
         parser.error(str(error))
     if hasattr(args, "dtype") and args.dtype is None:   # not given: what training on that device would use
         args.dtype = "bf16" if args.backend == "nccl" else "fp32"
+    if args.timeout is None:   # a step of a lab takes well under a minute even at its widest suggested sizes
+        args.timeout = 120.0 + 60.0 * args.steps
     return args
 
 
@@ -142,10 +148,22 @@ def run_info(args) -> dict:
 
 
 def write_record(args, name: str, record: dict) -> Path:
-    """Write ``record`` with run_info to ``args.out``/``name``.json and return the path."""
+    """Write ``record`` with run_info to ``args.out``/``name``.json and return the path. Atomically: the text goes
+    to a temporary file beside it, flushed to disk, then renamed over the old record, so a full disk or a kill
+    leaves the previous record whole, never a cut one (os.replace is atomic on one file system)."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}.json"
-    path.write_text(json.dumps({**record, **run_info(args)}, indent=1))
+    text = json.dumps({**record, **run_info(args)}, indent=1)
+    with tempfile.NamedTemporaryFile("w", dir=args.out, prefix=f".{name}.", suffix=".tmp", delete=False) as out:
+        try:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        except BaseException:
+            out.close()
+            os.unlink(out.name)
+            raise
+    os.replace(out.name, path)
     return path
 
 

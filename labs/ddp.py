@@ -95,7 +95,7 @@ def main(argv=None):
     parser.add_argument("--bucket-mb", type=real(above=0), default=1.0, help="bucket size of ours and torch's, MiB")
     args = parse(parser, argv)
     overrides = model_overrides(args)
-    results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=3600, overrides=overrides,
+    results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=args.timeout, overrides=overrides,
                      steps=args.steps,
                      micro_batch_size=args.micro_batch_size, accumulation=args.accumulation, seq_len=args.seq_len,
                      lr=args.lr, bucket_bytes=int(args.bucket_mb * MiB), dtype=args.dtype)

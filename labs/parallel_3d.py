@@ -77,7 +77,7 @@ def main(argv=None):
     mesh = Mesh.for_world(args.world_size, tp=args.tp, pp=args.pp)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
-    results = launch(train_3d_in, args.world_size, backend=args.backend, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
+    results = launch(train_3d_in, args.world_size, backend=args.backend, timeout=args.timeout, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
                      num_microbatches=args.num_microbatches, steps=args.steps, batch_size=args.global_batch_size,
                      seq_len=args.seq_len, lr=args.lr, progress=True, return_params=False, dtype=args.dtype,
                      **overrides)

@@ -77,9 +77,9 @@ def main(argv=None):
     runs = [{"schedule": s, "num_microbatches": m} for s in ("gpipe", "1f1b") for m in args.num_microbatches]
     common = dict(batch_size=batch, seq_len=args.seq_len, **overrides)
     weights = build(preset("tiny", **overrides), seed=0).state_dict()   # built once, copied by every rank
-    controlled = launch(sweep, p, backend=args.backend, runs=runs, forward_ms=args.op_ms, steps=args.steps,
+    controlled = launch(sweep, p, backend=args.backend, timeout=args.timeout, runs=runs, forward_ms=args.op_ms, steps=args.steps,
                         measure_memory=True, weights=weights, dtype=args.dtype, **common)
-    real = (launch(sweep, p, backend=args.backend, runs=runs, steps=args.steps, weights=weights, dtype=args.dtype,
+    real = (launch(sweep, p, backend=args.backend, timeout=args.timeout, runs=runs, steps=args.steps, weights=weights, dtype=args.dtype,
                    **common) if args.real else None)
     if not reports():
         return None

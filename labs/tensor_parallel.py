@@ -119,7 +119,7 @@ def main(argv=None):
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
     reference = count_params(config) < 5_000_000   # one device trains it too, for the loss comparison
-    results = launch(tensor_parallel_run, args.world_size, backend=args.backend, overrides=overrides, steps=args.steps,
+    results = launch(tensor_parallel_run, args.world_size, backend=args.backend, timeout=args.timeout, overrides=overrides, steps=args.steps,
                      batch_size=args.global_batch_size, seq_len=args.seq_len, lr=args.lr, reference=reference,
                      dtype=args.dtype)
     if not reports():

@@ -86,7 +86,7 @@ def main(argv=None):
     parser.add_argument("--global-batch-size", type=integer(1), default=16, help="rows per step, split over the ranks")
     args = parse(parser, argv, check=check_arguments)
     overrides = model_overrides(args)
-    results = launch(data_parallel_training, args.world_size, backend=args.backend, overrides=overrides,
+    results = launch(data_parallel_training, args.world_size, backend=args.backend, timeout=args.timeout, overrides=overrides,
                      steps=args.steps, global_batch_size=args.global_batch_size, seq_len=args.seq_len, lr=args.lr,
                      dtype=args.dtype)
     if not reports():

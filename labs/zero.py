@@ -54,9 +54,9 @@ def main(argv=None):
     args = parse(parser, argv)
     overrides = model_overrides(args)
     config = preset("tiny", **overrides)
-    per_rank = launch(every_run, args.world_size, backend=args.backend, config=config, steps=args.steps,
+    per_rank = launch(every_run, args.world_size, backend=args.backend, timeout=args.timeout, config=config, steps=args.steps,
                       micro_batch_size=args.micro_batch_size,
-                      seq_len=args.seq_len, lr=args.lr, timeout=3600)
+                      seq_len=args.seq_len, lr=args.lr)
     if not reports():
         return None
     n = args.world_size

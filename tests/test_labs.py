@@ -209,3 +209,58 @@ def test_the_slurm_example_gives_each_task_its_cpus_and_a_port_of_its_own():
         checked = subprocess.run(["shellcheck", str(REPO / "labs" / "slurm_example.sbatch")], capture_output=True,
                                  text=True)
         assert checked.returncode == 0, checked.stdout
+
+
+def test_the_checkpoint_lab_refuses_a_folder_it_did_not_make_and_deletes_only_its_own_steps(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """--out/checkpoints with a file of someone else's: one line, exit 2, nothing touched. With --force (or once
+    the lab's marker is there) only its step_NNNNN folders are removed at a run's start, nothing else."""
+    gpus(monkeypatch, 0)
+    theirs = tmp_path / "checkpoints"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    code = exit_code_before_launch(monkeypatch, "checkpoint", ["--out", str(tmp_path), "--world-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not empty and this lab did not make it" in err and "Traceback" not in err, err
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
+    lab = load_lab("checkpoint")
+    (theirs / "step_00003").mkdir()
+    (theirs / "step_00003" / "shard").write_text("an old checkpoint")
+    (theirs / "step_notes").mkdir()
+    assert lab.claim_checkpoint_folder(theirs, force=True) is None
+    lab.remove_old_steps(str(theirs))
+    assert sorted(p.name for p in theirs.iterdir()) == [lab.MARKER, "notes.txt", "step_notes"]
+    assert lab.claim_checkpoint_folder(theirs, force=False) is None      # the lab's now: no --force needed
+    assert "--force" in lab.__doc__ and "What it deletes" in lab.__doc__
+
+
+def test_a_lab_record_is_replaced_whole_or_not_at_all(monkeypatch, tmp_path):
+    """write_record writes beside the record and renames over it: a write that fails (a full disk) leaves the old
+    record whole and no temporary file behind."""
+    args = common.lab_parser("a lab").parse_args(["--out", str(tmp_path)])
+    first = common.write_record(args, "lab", {"value": 1})
+    assert json.loads(first.read_text())["value"] == 1
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(common.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        common.write_record(args, "lab", {"value": 2})
+    assert json.loads(first.read_text())["value"] == 1 and [p.name for p in tmp_path.iterdir()] == ["lab.json"]
+
+
+def test_a_lab_gives_a_long_run_time_to_finish(monkeypatch):
+    """A lab's ranks are stopped after --timeout seconds, by default 120 + 60 per step: --steps 100000 is not
+    taken for a hang after launch's 120 s (a wait with no end is what a hang is)."""
+    gpus(monkeypatch, 0)
+    lab = load_lab("training_step")
+    seen = {}
+
+    def recording_launch(fn, world_size, **kwargs):
+        seen["timeout"] = kwargs["timeout"]
+        raise SystemExit(0)
+    monkeypatch.setattr(lab, "launch", recording_launch)
+    for argv, timeout in ((["--steps", "100000"], 120 + 60 * 100000), (["--timeout", "30"], 30)):
+        with pytest.raises(SystemExit):
+            lab.main(argv)
+        assert seen["timeout"] == timeout

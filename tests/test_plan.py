@@ -154,3 +154,21 @@ def test_the_busiest_gpu_of_every_fitting_layout_run_virtually_holds_what_the_pl
         assert busiest["activation_bytes_peak"] == layout.memory["activations"], layout
         held = busiest["state_bytes"]["total"] + gathered + busiest["activation_bytes_peak"]
         assert held + layout.memory["reserve"] <= card * GiB + padding, layout
+
+
+def test_a_typo_in_the_number_of_gpus_answers_at_once():
+    """2**40 GPUs: the divisors come from √n trial divisions, not n (that took hours); an alarm turns a hang into
+    a failure."""
+    import signal
+
+    from course_lib.recipes import _divisors
+
+    assert _divisors(1) == [1] and _divisors(12) == [1, 2, 3, 4, 6, 12] and _divisors(49) == [1, 7, 49]
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("plan() did not answer within 30 s"))
+    signal.alarm(30)
+    try:
+        answer = plan(preset("llama2-7b"), num_gpus=2**40)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert "over 1099511627776 GPUs" in str(answer)

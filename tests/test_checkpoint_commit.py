@@ -1,0 +1,74 @@
+"""course_lib.checkpoint's commit: a save overwriting a checkpoint, with one rank SIGKILLed as its write starts or
+in the middle of it, leaves the folder loading whole as the earlier step; `latest` never offers a save that was
+not committed, and reads one whose commit was cut between its two renames."""
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_files
+
+from course_lib import checkpoint
+from course_lib.model import build, preset
+from course_lib.runs.checkpoint import LAYOUTS, Trainer
+from course_lib.runtime.launch import RankError, launch
+from course_lib.train import reference_run
+
+pytestmark = pytest.mark.ranks
+
+
+def overwrite_while_a_rank_dies(rank, world_size, *, root: str, when: str):
+    """Save after 2 steps, train 2 more, save again to the same folder; rank 1 SIGKILLs itself as its second
+    write starts ("start") or after its first record is on disk ("middle")."""
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    path = os.path.join(root, "ckpt")
+    for _ in range(2):
+        trainer.step()
+    trainer.save(path)
+    for _ in range(2):
+        trainer.step()
+    if rank == 1:
+        original = dcp_files._write_item
+
+        def dying(*args, **kwargs):
+            if when == "start":
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = original(*args, **kwargs)
+            args[1].flush()                              # the first record really is in the file
+            os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        dcp_files._write_item = dying
+    trainer.save(path)
+
+
+@pytest.mark.parametrize("when", ["start", "middle"])
+def test_an_overwrite_cut_by_a_killed_rank_leaves_the_earlier_step_whole(tmp_path, when):
+    with pytest.raises(RankError, match="rank 1"):
+        launch(overwrite_while_a_rank_dies, 2, root=str(tmp_path), when=when, timeout=120)
+    path = str(tmp_path / "ckpt")
+    assert checkpoint.latest(str(tmp_path)) == path
+    model = build(preset("tiny"), dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    train = checkpoint.load_plain(model, optimizer, path, checkpoint.train_state(0, seed=0, batch_size=8))
+    assert train["step"] == 2
+    _, reference = reference_run(steps=2, batch_size=8, lr=1e-2, seq_len=16, dtype=torch.float64)
+    gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    assert gap < 1e-12, gap                              # every weight of step 2: no rank's shard of step 4
+
+
+def test_latest_offers_only_committed_checkpoints(tmp_path):
+    """step_00003 committed; step_00006.partial cut (no .metadata, or with it: never renamed); step_00009's commit
+    cut between its renames: only step_00009.replaced is there, whole, and it is step_00009."""
+    def folder(name, metadata=True):
+        (tmp_path / name).mkdir()
+        if metadata:
+            (tmp_path / name / ".metadata").write_bytes(b"")
+    folder("step_00003")
+    folder("step_00006.partial")
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_00003")
+    folder("step_00009.replaced")
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_00009")
+    assert checkpoint.committed(str(tmp_path / "step_00009")) == str(tmp_path / "step_00009.replaced")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint at .*step_00006"):
+        checkpoint.committed(str(tmp_path / "step_00006"))
