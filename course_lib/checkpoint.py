@@ -36,13 +36,8 @@ Names, as torch's get_state_dict flattens them: ``model.<param>``, ``optimizer.s
 ``.exp_avg_sq``, and ``train`` (the step, the data position, torch's RNG state). Adam's step counter, one per
 parameter in torch, equals the training step for all of them: it is saved once, in ``train``.
 
-A save is never seen half done. Every rank writes into ``<path>.partial``; once all of them have written and rank
-0 has written DCP's .metadata, rank 0 renames it to ``<path>``: a rename is atomic, so ``<path>`` is either the
-last complete checkpoint or the new complete one, never a mix (DCP writes in place: a rank killed while
-overwriting a folder left it with half its files of the new step, and load said nothing). Overwriting moves the
-old folder aside to ``<path>.replaced`` first and removes it after; if a crash falls between those two renames,
-``load`` and ``latest`` read ``<path>.replaced``, which is still whole. An asynchronous save commits the same way
-when its writes finish; one that never finishes is never committed, and the old checkpoint stays.
+A save is never seen half done, and a checkpoint never loads into another model or from a flipped byte:
+course_lib/checkpoint_commit.py.
 
 Bytes per rank (float64 Adam: 8 bytes of weight + 16 of moments per parameter): 24 × the parameters the rank
 writes; over the ranks of one (stage, tp) place, 24 × (per_rank.params_per_rank − the TP-replicated ones on tp ranks
@@ -54,7 +49,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import warnings
 
 import torch
@@ -64,6 +58,16 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .checkpoint_commit import (
+    PARTIAL,
+    REPLACED,
+    PendingSave,
+    check_same_model,
+    commit,
+    committed,
+    config_text,
+    verify_checksums,
+)
 from .per_rank import layers_per_rank, params_per_rank
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -242,15 +246,20 @@ def course_state(data_parallel, mesh, rank: int, train: dict) -> dict:
     return {"model": pieces["model"], "optimizer": {"state": moments}, "train": train}
 
 
-def train_state(step: int, *, seed: int, batch_size: int) -> dict:
+def train_state(step: int, *, seed: int, batch_size: int, config=None) -> dict:
     """What is saved besides the tensors: the next step to run (the data stream is indexed by step, so that is
-    where the data stands), the stream's seed and batch, and torch's RNG state (the same on every rank here: every
-    rank seeds alike; a model with dropout would draw from it)."""
+    where the data stands), the stream's seed and batch, torch's RNG state (the same on every rank here: every
+    rank seeds alike; a model with dropout would draw from it), and the model's config, which load compares
+    before it reads a weight (``config``: a ModelConfig, or None to check nothing)."""
     return {"step": step, "data": {"seed": seed, "next_step": step, "batch_size": batch_size},
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(), "config": config_text(config)}
 
 
-PARTIAL, REPLACED = ".partial", ".replaced"
+def _read_train(path: str, train: dict, **load_kwargs) -> dict:
+    """The checkpoint's ``train`` entries alone (a few bytes: no weight is read), to check before loading."""
+    probe = {"train": {**train}}
+    dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(), **load_kwargs)
+    return probe["train"]
 
 
 def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous: bool = False):
@@ -270,52 +279,9 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     metadata = dcp.save(state, checkpoint_id=staging, planner=CourseSavePlanner())
     torch.distributed.barrier()                          # every rank has written, rank 0 the .metadata
     if rank == 0:
-        _commit(staging, path)
+        commit(staging, path)
     torch.distributed.barrier()                          # nobody reads ``path`` before it is there
     return metadata
-
-
-class PendingSave:
-    """dcp.async_save's future, committed by rank 0 as soon as its writes are done (on rank 0, done means every
-    rank's file and the .metadata are written): ``result()`` returns once it is. Another rank that reads the
-    checkpoint next waits for rank 0 first (a barrier), as after any collective write."""
-
-    def __init__(self, future, staging: str, path: str, commits: bool):
-        self._future, self._staging, self._path = future, staging, path
-        self._lock, self._committed = threading.Lock(), not commits
-        future.add_done_callback(self._commit)
-
-    def _commit(self, future) -> None:
-        with self._lock:
-            if not self._committed and future.exception() is None:
-                _commit(self._staging, self._path)
-                self._committed = True
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None):
-        value = self._future.result(timeout)
-        self._commit(self._future)
-        return value
-
-
-def _commit(staging: str, path: str) -> None:
-    """Make the complete checkpoint in ``staging`` the one at ``path`` (an old one moved aside, then removed)."""
-    if os.path.exists(path):
-        shutil.rmtree(path + REPLACED, ignore_errors=True)
-        os.rename(path, path + REPLACED)
-    os.rename(staging, path)
-    shutil.rmtree(path + REPLACED, ignore_errors=True)
-
-
-def committed(path: str) -> str:
-    """The folder that holds the committed checkpoint ``path``: itself, or, if a commit was cut between its two
-    renames, the old one moved aside (``path``.replaced, still whole). Raises FileNotFoundError naming ``path``."""
-    for candidate in (path, os.path.normpath(path) + REPLACED):
-        if os.path.exists(os.path.join(candidate, ".metadata")):
-            return candidate
-    raise FileNotFoundError(f"no complete checkpoint at {path} (no .metadata: never saved, or its save was cut)")
 
 
 def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
@@ -323,8 +289,11 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
     Adam state; set Adam's step counters and torch's RNG state; return the saved ``train`` dict (``train``: one of
     the same keys, e.g. train_state(0, ...), whose values are replaced). ZeRO-1/2 keep whole weights: after the
     shards are loaded the dp ranks all-gather them, as after an optimizer step."""
+    folder = committed(path)
+    verify_checksums(folder)
+    check_same_model(path, train.get("config", ""), _read_train(folder, train).get("config", ""))
     state = course_state(data_parallel, mesh, rank, train)
-    dcp.load(state, checkpoint_id=committed(path), planner=CourseLoadPlanner())
+    dcp.load(state, checkpoint_id=folder, planner=CourseLoadPlanner())
     data_parallel.regather_weights()
     resume_counters(data_parallel.optimizer, [unit.shard for unit in data_parallel.units], state["train"])
     return state["train"]
@@ -343,12 +312,15 @@ def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train:
 
 def load_plain(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, train: dict) -> dict:
     """Load a checkpoint of any layout into one process's model and Adam (no process group needed); ``train`` as
-    for load."""
+    for load (its config, if it names none, is the model's own)."""
+    folder, solo = committed(path), dict(no_dist=not torch.distributed.is_initialized())
+    verify_checksums(folder)
+    train = {**train, "config": train.get("config") or config_text(getattr(model, "config", None))}
     state = plain_state(model, optimizer, train)
     with warnings.catch_warnings():   # without a process group DCP warns that it assumes one process: it is one
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=committed(path), planner=DefaultLoadPlanner(),
-                 no_dist=not torch.distributed.is_initialized())
+        check_same_model(path, train["config"], _read_train(folder, train, **solo).get("config", ""))
+        dcp.load(state, checkpoint_id=folder, planner=DefaultLoadPlanner(), **solo)
     resume_counters(optimizer, model.parameters(), state["train"])
     return state["train"]
 

@@ -3,6 +3,7 @@ in the middle of it, leaves the folder loading whole as the earlier step; `lates
 not committed, and reads one whose commit was cut between its two renames."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -72,3 +73,45 @@ def test_latest_offers_only_committed_checkpoints(tmp_path):
     assert checkpoint.committed(str(tmp_path / "step_00009")) == str(tmp_path / "step_00009.replaced")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint at .*step_00006"):
         checkpoint.committed(str(tmp_path / "step_00006"))
+
+
+def save_a_step(rank, world_size, *, root: str):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    trainer.save(os.path.join(root, "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    launch(save_a_step, 2, root=str(root))
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("changes, named", [(dict(num_layers=2), "num_layers=4 (this model: 2)"),
+                                            (dict(num_heads=4, num_kv_heads=2), "num_heads=8 (this model: 4)")])
+def test_a_checkpoint_of_another_model_is_refused_before_any_weight_is_read(saved, changes, named):
+    """Fewer layers (the checkpoint's extra keys would be ignored), or other heads with the same weights' shapes:
+    refused, naming the fields; the model keeps its own weights."""
+    model = build(preset("tiny", **changes), dtype=torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    with pytest.raises(ValueError, match="holds another model: .*" + re.escape(named)):
+        checkpoint.load_plain(model, optimizer, str(saved), checkpoint.train_state(0, seed=0, batch_size=8))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_flipped_byte_is_refused_naming_its_file(saved, tmp_path):
+    import shutil
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved, copy)
+    shard = copy / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    model = build(preset("tiny"), dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    with pytest.raises(ValueError, match=r"__1_0.distcp is corrupted"):
+        checkpoint.load_plain(model, optimizer, str(copy), checkpoint.train_state(0, seed=0, batch_size=8))
+    train = checkpoint.load_plain(model, optimizer, str(saved), checkpoint.train_state(0, seed=0, batch_size=8))
+    assert train["step"] == 1                                        # the untouched one loads

@@ -101,7 +101,7 @@ class Trainer:
         return result["loss"]
 
     def train_state(self) -> dict:
-        return checkpoint.train_state(self.next_step, seed=self.seed, batch_size=self.batch_size)
+        return checkpoint.train_state(self.next_step, seed=self.seed, batch_size=self.batch_size, config=self.config)
 
     def save(self, path: str, asynchronous: bool = False):
         return checkpoint.save(self.dp, self.mesh, self.rank, path, self.train_state(), asynchronous=asynchronous)
