@@ -99,7 +99,7 @@ class Workload:
         if m is None:
             raise ValueError(f"global_batch_size={self.global_batch_size} does not split into micro-batches of "
                              f"{self.micro_batch_size} over dp {mesh.dp}")
-        dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
+        dtype = dtype_of(convention)
         base = Job(config) if self.template is None else self.template.replace(config=config)
         return base.replace(mesh=mesh, seq_len=self.seq_len or config.max_seq_len,
                             micro_batch_size=self.micro_batch_size, num_microbatches=m, zero_stage=zero_stage,
@@ -165,15 +165,19 @@ def tp_splits_heads(config, tp: int) -> bool:
         return False
 
 
+def dtype_of(convention: str) -> str:
+    """The weights' dtype a state convention (ledger.CONVENTIONS) stands for: 16-bit weights are bf16."""
+    return "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
+
+
 def state_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed",
                   pp_stage: int | None = None, vocab_parallel: bool = False, num_chunks: int = 1) -> dict[str, int]:
     """Training state on the fullest GPU of ``mesh`` (or on a GPU of pipeline stage ``pp_stage``) with
     ZeRO-``stage`` over the ranks that hold the same weights: {"weights", "grads", "optimizer", "total"}
     (per_rank.data_parallel_state_bytes)."""
     stages = range(mesh.pp) if pp_stage is None else [pp_stage]
-    dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
-    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype, vocab_parallel=vocab_parallel,
-              num_chunks=num_chunks)
+    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype_of(convention),
+              vocab_parallel=vocab_parallel, num_chunks=num_chunks)
     return max((data_parallel_state_bytes(job, s) for s in stages), key=lambda state: state["total"])
 
 
@@ -186,8 +190,7 @@ def gathered_layer_bytes(config, tp: int = 1, convention: str = "mixed") -> int:
 def need_per_gpu(config, mesh: Mesh, stage: int, convention: str = "mixed") -> int:
     """The fullest GPU's training state, with what ZeRO-2/3 hold while a step runs (ZeRO-3: a unit gathered whole
     beside the shards, and its whole gradients: per_rank.transient_bytes_per_rank)."""
-    dtype = "bf16" if CONVENTIONS[convention].weight_bytes == 2 else "fp32"
-    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype)
+    job = Job(config, mesh, zero_stage=stage, convention=convention, dtype=dtype_of(convention))
     return max(data_parallel_state_bytes(job, s)["total"] + transient_bytes_per_rank(job, s)["total"]
                for s in range(mesh.pp))
 
