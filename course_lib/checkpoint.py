@@ -1,9 +1,10 @@
 """Distributed checkpoints (分布式检查点) of the course's sharded training state, with torch.distributed.checkpoint.
 
 A checkpoint is the whole training state: weights, optimizer state (Adam's two moments), the step, where the data
-stream stands, the random generator. Gathered onto one rank it would be a 1 TiB file for a 70B run, written by one
-GPU while the others wait; and a file that only the layout that wrote it can read is a liability: after a failure
-the job often comes back on fewer nodes, or in another layout. DCP (torch.distributed.checkpoint) solves both.
+stream stands, the random generator. Gathered onto one rank it would be an 828 GB file for a 70B run (12 bytes
+a parameter), written by one GPU while the others wait; and a file that only the layout that wrote it can read
+is a liability: after a failure the job often comes back on fewer nodes, or in another layout. DCP
+(torch.distributed.checkpoint) solves both.
 
 What DCP writes. Every tensor of the state dict is a *global* tensor (the whole weight, as one process would hold
 it) known by its name; each rank writes the boxes of it that it holds (a box: offsets and sizes in the global
@@ -47,6 +48,7 @@ other than 0): the ledger's weights + optimizer state, divided over dp, each par
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -54,6 +56,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -258,8 +261,21 @@ def train_state(step: int, *, seed: int, batch_size: int, config=None) -> dict:
 def _read_train(path: str, train: dict, **load_kwargs) -> dict:
     """The checkpoint's ``train`` entries alone (a few bytes: no weight is read), to check before loading."""
     probe = {"train": {**train}}
-    dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(), **load_kwargs)
+    with one_line_errors(path, "reading the step and config"):
+        dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(), **load_kwargs)
     return probe["train"]
+
+
+@contextlib.contextmanager
+def one_line_errors(path: str, action: str):
+    """DCP reports a failure as a CheckpointException holding every rank's traceback (~70 lines, the cause on the
+    last: a missing file, EOFError, "unexpected pos 704 vs 598" on a full disk): one line instead, naming the
+    checkpoint, the rank and the cause."""
+    try:
+        yield
+    except CheckpointException as error:
+        rank, (cause, _) = next(iter(error.failures.items()))
+        raise RuntimeError(f"{path}: {action} failed on rank {rank}: {type(cause).__name__}: {cause}") from None
 
 
 def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous: bool = False):
@@ -276,7 +292,8 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     if asynchronous:
         future = dcp.async_save(state, checkpoint_id=staging, planner=CourseSavePlanner())
         return PendingSave(future, staging, path, commits=rank == 0)
-    metadata = dcp.save(state, checkpoint_id=staging, planner=CourseSavePlanner())
+    with one_line_errors(path, "saving"):
+        metadata = dcp.save(state, checkpoint_id=staging, planner=CourseSavePlanner())
     torch.distributed.barrier()                          # every rank has written, rank 0 the .metadata
     if rank == 0:
         commit(staging, path)
@@ -293,7 +310,8 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
     verify_checksums(folder)
     check_same_model(path, train.get("config", ""), _read_train(folder, train).get("config", ""))
     state = course_state(data_parallel, mesh, rank, train)
-    dcp.load(state, checkpoint_id=folder, planner=CourseLoadPlanner())
+    with one_line_errors(folder, "loading"):
+        dcp.load(state, checkpoint_id=folder, planner=CourseLoadPlanner())
     data_parallel.regather_weights()
     resume_counters(data_parallel.optimizer, [unit.shard for unit in data_parallel.units], state["train"])
     return state["train"]
@@ -320,7 +338,8 @@ def load_plain(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: s
     with warnings.catch_warnings():   # without a process group DCP warns that it assumes one process: it is one
         warnings.simplefilter("ignore", UserWarning)
         check_same_model(path, train["config"], _read_train(folder, train, **solo).get("config", ""))
-        dcp.load(state, checkpoint_id=folder, planner=DefaultLoadPlanner(), **solo)
+        with one_line_errors(folder, "loading"):
+            dcp.load(state, checkpoint_id=folder, planner=DefaultLoadPlanner(), **solo)
     resume_counters(optimizer, model.parameters(), state["train"])
     return state["train"]
 

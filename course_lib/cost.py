@@ -45,9 +45,9 @@ last stage also runs the final norm, the head and the loss):
 
   compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
              at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
-             none below its kernel launches; ``attention``: "flash", "unfused", or "flash-whole-square", a fused
-             kernel that runs the whole causal square, as MPT's Triton kernel with ALiBi is taken to). The head is whole on every
-             TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
+             none below its kernel launches; ``attention``: "flash" (FlashAttention-2), "flash3", "triton" or
+             "unfused", each fused kernel at its own benchmark's rate, kernel_times.attention_rate). The head
+             is whole on every TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's vocab-parallel head).
              ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).
   tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = all-reduces per layer as
              tensor_parallel.tp_step_traffic counts what the course runs: 4 (2 forward, 2 backward), 5 with
@@ -248,6 +248,8 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
 
 def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     """The job's own rules, a GPU to cost it on, and the assumptions in range. Returns the GPU."""
+    if not isinstance(job, Job):
+        raise TypeError(f"step_time takes a Job (course_lib.job.Job), not {type(job).__name__} {job!r:.40}")
     # Llama 3's interleaved layout gives the embedding and the head a chunk of their own: up to L + 2 chunks,
     # which step_time costs and parallelize cannot build (Job's rule counts layers only).
     mesh, layers = job.mesh, job.config.num_layers
@@ -273,10 +275,8 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
     kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=e)
-    # "flash-whole-square": a fused kernel that does not skip the causal half (kernel_times.layer_operations)
-    kernel, causal = ("flash", False) if attention == "flash-whole-square" else (attention, True)
     layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
-                                 recompute=job.recompute, attention=kernel, causal=causal, **kernels)
+                                 recompute=job.recompute, attention=attention, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)

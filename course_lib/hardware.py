@@ -84,7 +84,8 @@ class GPU:
     network: Link             # to GPUs in other nodes (its own NIC)
     source: str
     matmul_share: float = 0.8        # share of the peak a large bf16 GEMM reaches (GEMM_SOURCES)
-    attention_share: float = 0.55    # share of the peak FlashAttention reaches, forward + backward (GEMM_SOURCES)
+    attention_share: float = 0.55    # FlashAttention's share of the peak, forward + backward, on a GPU that
+                                     # kernel_times.FLASH_TFLOPS has no benchmark of (GEMM_SOURCES)
     matmul_half_dim: float = MATMUL_HALF_DIM   # a GEMM dimension this small halves its rate (matmul_rate)
     attention_half_dim: float = 0.0            # a head dim this small halves attention's rate (0: no such loss)
     hbm_share: float = HBM_SHARE               # of hbm_bytes_per_s, what a memory-bound kernel streams

@@ -23,11 +23,13 @@ sequence parallelism, 1 without: each TP rank repeats them on the whole activati
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
-* "flash" (FlashAttention, torch's SDPA): one fused kernel that never writes the s×s scores. It reads q, k, v
-  and writes o (backward reads q, k, v, o, dO and writes dq, dk, dv). A causal kernel skips the masked blocks:
-  it runs half of the square that cost.flops_per_step counts (MFU keeps the whole square, as Megatron-LM does),
-  and backward runs 2.5 times forward's matmul work (it recomputes QKᵀ). Its rate: hardware.GPU.attention_share
-  of the peak (FlashAttention-2's published share), × f(s) of hardware's shape curve.
+* "flash" (FlashAttention-2, torch's SDPA flash backend), "flash3" (FlashAttention-3, H100/H200 only) and
+  "triton" (the Triton FlashAttention that MPT runs for ALiBi): one fused kernel that never writes the s×s
+  scores. It reads q, k, v and writes o (backward reads q, k, v, o, dO and writes dq, dk, dv). A causal kernel
+  skips the masked blocks: it runs half of the square that cost.flops_per_step counts (MFU keeps the whole
+  square, as Megatron-LM does), and backward runs 2.5 times forward's matmul work (it recomputes QKᵀ). Its rate
+  is read from the kernel's own published benchmark (attention_rate: FLASH_TFLOPS, by GPU, causal or not, head
+  dim and sequence length), not from any training run.
 * "unfused" (Megatron-LM's GPT layer before FlashAttention, as in Narayanan et al. 2021 and Korthikanti et al.
   2022): QKᵀ and AV are batched GEMMs [s, h_d] × [h_d, s] and [s, s] × [s, h_d] on the whole square, and
   between them a fused scale-mask-softmax and the attention dropout pass the s×s scores through HBM:
@@ -40,11 +42,78 @@ fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .hardware import GPU, dimension_factor, matmul_rate
 
-ATTENTION = ("flash", "unfused")
+ATTENTION = ("flash", "flash3", "triton", "unfused")
+
+# Forward + backward TFLOP/s of the attention kernels, FLOPs counted as their authors count them (a causal
+# kernel's half square; backward 2.5 × forward: 3.5 × forward in all), at sequence lengths FLASH_SEQ (batch
+# 16k tokens / s, hidden 2,048), keyed by (GPU family, kernel, causal, head dim). Sources:
+#   A100 "flash": FlashAttention-2 (Dao 2023, arXiv:2307.08691) Fig. 4 = flash-attention's README figure
+#     assets/flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4);
+#   H100 "flash": the README's assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5);
+#   H100 "flash3": FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Fig. 5 (forward) and Fig. 6 (backward,
+#     measured non-causal only; the causal backward taken as the non-causal one × causal/non-causal forward,
+#     an assumption), combined as 3.5 / (1/forward + 2.5/backward).
+# The bars were read from the figures to ~2%. Beyond 16k tokens the 16k value holds (the curves are flat there);
+# below 512 the 512 value. H200: the H100's (the same Tensor Cores and clock; these kernels are compute-bound).
+FLASH_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+_FA3_FORWARD = {(True, 64): (197, 265, 371, 420, 460, 473), (True, 128): (292, 423, 521, 579, 602, 616),
+                (False, 64): (333, 392, 460, 476, 496, 497), (False, 128): (467, 565, 625, 638, 646, 648)}
+_FA3_BACKWARD = {64: (272, 363, 422, 453, 472, 474), 128: (316, 424, 501, 542, 559, 561)}     # non-causal
+
+
+def _fa3(causal: bool, head_dim: int) -> tuple:
+    forward, plain = _FA3_FORWARD[causal, head_dim], _FA3_FORWARD[False, head_dim]
+    backward = [bw * fw / pf for bw, fw, pf in zip(_FA3_BACKWARD[head_dim], forward, plain)]
+    return tuple(3.5 / (1 / fw + 2.5 / bw) for fw, bw in zip(forward, backward))
+
+
+FLASH_TFLOPS = {
+    ("A100", "flash", False, 64): (132, 153, 162, 171, 175, 176),
+    ("A100", "flash", False, 128): (152, 173, 187, 196, 201, 203),
+    ("A100", "flash", True, 64): (88, 119, 140, 156, 165, 171),
+    ("A100", "flash", True, 128): (99, 133, 155, 173, 182, 189),
+    ("H100", "flash", False, 64): (215, 254, 274, 288, 294, 296),
+    ("H100", "flash", False, 128): (248, 294, 320, 326, 335, 338),
+    ("H100", "flash", True, 64): (141, 192, 232, 257, 273, 284),
+    ("H100", "flash", True, 128): (163, 221, 265, 294, 308, 328),
+    **{("H100", "flash3", causal, hd): _fa3(causal, hd) for causal in (False, True) for hd in (64, 128)},
+}
+# The Triton FlashAttention (flash_attn_triton, what MPT's ALiBi runs on): "FlashAttention-2 is ... around
+# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the backward pass"
+# (Dao 2023, section 4.1). With forward at 1/1.4 and backward at 1/2 of FlashAttention-2's rate, forward +
+# backward takes (1.4 + 2.5·2) / 3.5 of its time: a rate of 3.5 / 6.4 = 0.55 of its.
+TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
+FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
+
+
+def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: bool = True) -> float:
+    """FLOP/s of a fused attention kernel forward + backward (FLOPs as its authors count them: FLASH_TFLOPS):
+    its published benchmark, interpolated in log(sequence length) and in head dim between 64 and 128 (clamped
+    outside). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes attention_share × peak
+    × f(s) × f(head dim) (hardware.dimension_factor)."""
+    family = FAMILIES.get(gpu.name.split()[0])
+    base = "flash" if kernel == "triton" else kernel
+    if kernel == "flash3" and family != "H100":
+        raise ValueError(f"attention='flash3' on {gpu.name}: FlashAttention-3 runs on Hopper (H100, H200) only")
+    if family is None:
+        rate = gpu.attention_share * gpu.peak_flops * dimension_factor(seq_len, gpu.matmul_half_dim)
+        rate *= dimension_factor(head_dim, gpu.attention_half_dim)     # 1 when attention_half_dim is 0
+    else:
+        first, last = math.log2(FLASH_SEQ[0]), math.log2(FLASH_SEQ[-1])
+        x = min(max(math.log2(seq_len), first), last) - first     # FLASH_SEQ doubles: x is a place in the table
+        low = min(int(x), len(FLASH_SEQ) - 2)
+
+        def at(hd):
+            table = FLASH_TFLOPS[family, base, causal, hd]
+            return 1e12 * (table[low] + (x - low) * (table[low + 1] - table[low]))
+        weight = min(max((head_dim - 64) / 64, 0.0), 1.0)
+        rate = (1 - weight) * at(64) + weight * at(128)
+    return rate * (TRITON_VS_FLASH2 if kernel == "triton" else 1.0)
 
 
 @dataclass(frozen=True)
@@ -118,14 +187,13 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
             for name, k, n in (("gate_proj", d, mlp_width), ("up_proj", d, mlp_width), ("down_proj", mlp_width, d))]
     heads = b * config.num_heads // t
     core_again = recompute in ("selective", "full")
-    if attention == "flash":
+    if attention != "unfused":
         square = 4 * heads * s * s * h_d * (0.5 if causal else 1)      # QKᵀ and AV, forward
         forward_flops = square * (2 if core_again else 1)
         flops = forward_flops + 2.5 * square
         io = T * (q_width + kv_width) * e                              # q and k (v and o: the same widths)
         nbytes = 2 * io * (2 if core_again else 1) + 4 * io
-        rate = gpu.attention_share * gpu.peak_flops * dimension_factor(s, gpu.matmul_half_dim)
-        rate *= dimension_factor(h_d, gpu.attention_half_dim)          # 1 when attention_half_dim is 0
+        rate = attention_rate(gpu, attention, s, h_d, causal)
         ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
         ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
                                1.5 / e, full))

@@ -37,6 +37,7 @@ sequence parallelism), decide:
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ from .cost import StepTime
 from .hardware import find_gpu
 from .ledger import CONVENTIONS, zero_state_bytes
 from .mesh import Mesh
-from .model import param_count_formula
+from .model import ModelConfig, param_count_formula
 from .pipeline_parallel import bubble_fraction
 from .recipes import (
     RESERVE_SHARE,
@@ -66,6 +67,9 @@ from .runtime.arguments import check_number, check_whole
 # of published runs (published.compare_published), and 5 points are 11% of a 45% MFU, so it cannot rank them.
 TIE_SHARE = 0.11
 
+QUESTIONS = ("does the training state fit?", "does one layer fit?", "where are the node boundaries?",
+             "with the activations, does it fit?", "which recipe is fastest?")
+
 
 @dataclass
 class Plan:
@@ -82,10 +86,45 @@ class Plan:
     gpu_bytes: int = 0
     source: tuple[Mesh, int] | None = None  # the three questions' layout and ZeRO stage, from the state alone
     num_chunks: int = 1                     # v > 1: the chosen pipeline is interleaved over v chunks per GPU
+    assumed: str = ""                       # what question 4 assumed (the workload's choices, the state's convention)
 
     @property
     def fits(self) -> bool:
         return self.mesh is not None and self.memory.get("total", math.inf) <= self.gpu_bytes
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the verdict, the five answers as a table, the recipes side by side, the assumptions once
+        (the text of ``str(plan)`` wraps mid-word at a normal window width)."""
+        left = "text-align:left; vertical-align:top"
+        answers = [a.replace(f"; assumed: {self.assumed}", "") if self.assumed else a for a in self.answers]
+        rows = "".join(f"<tr><td style='{left}'>{i}. {html.escape(q)}</td><td style='{left}'>{html.escape(a)}</td></tr>"
+                       for i, (q, a) in enumerate(zip(QUESTIONS, answers), 1))
+        head = html.escape(str(self).splitlines()[0])
+        out = [f"<p><b>{head}</b></p><table><tr><th style='{left}'>question</th><th style='{left}'>answer</th></tr>"
+               f"{rows}</table>"]
+        if self.candidates:
+            fastest = max((c.time.tokens_per_s for c in self.candidates if c.fits), default=None)
+            cells = ["recipe", "layout", "busiest GPU", "state", "activations", "tokens/s", "MFU", "against the fastest"]
+            table = "<tr>" + "".join(f"<th style='{left}'>{c}</th>" for c in cells) + "</tr>"
+            for c in self.candidates:
+                m, zero = c.mesh, "no dp" if c.mesh.dp == 1 else stage_name(c.zero_stage)
+                chunks = f", v = {c.num_chunks}" if c.num_chunks > 1 else ""
+                if not c.fits:
+                    against = "does not fit"
+                elif fastest is None or c.time.tokens_per_s == fastest:
+                    against = "fastest"
+                else:
+                    ratio = c.time.tokens_per_s / fastest
+                    against = f"{ratio:.2g}×" + (" (a tie: within the model's error)" if ratio > 1 - TIE_SHARE else "")
+                values = [c.recipe, f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {c.num_microbatches}",
+                          f"{size_text(c.memory['total'])} of {size_text(c.gpu_bytes)}", size_text(c.memory["state"]),
+                          size_text(c.memory["activations"]), f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}",
+                          against]
+                table += "<tr>" + "".join(f"<td style='{left}'>{html.escape(v)}</td>" for v in values) + "</tr>"
+            out.append(f"<table>{table}</table>")
+        if self.assumed:
+            out.append(f"<p><i>assumed: {html.escape(self.assumed)}</i></p>")
+        return "".join(out)
 
     def __str__(self) -> str:
         if not self.fits:
@@ -106,6 +145,12 @@ def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: 
     ``gpu``, a hardware.GPUS key, also sets the speed and links that step time uses) for ``workload`` (default:
     Workload()). The three questions give the source's layout from the state alone; the chosen layout is the
     fastest that fits with its activations (questions 4 and 5), and ``fits`` is true only for such a layout."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"plan takes a ModelConfig first (e.g. preset('llama2-7b')), not {type(config).__name__} "
+                        f"{config!r:.40}")
+    if workload is not None and not isinstance(workload, Workload):
+        raise TypeError(f"workload={workload!r:.40}: a recipes.Workload (e.g. Workload(global_batch_size=512)), "
+                        f"not {type(workload).__name__}")
     check_whole("num_gpus", num_gpus)
     check_whole("gpus_per_node", gpus_per_node)
     if gpu_bytes is not None:
@@ -132,10 +177,11 @@ def plan(config, *, num_gpus: int, gpu_bytes: int | None = None, gpus_per_node: 
     chosen = candidates[0] if candidates and candidates[0].fits else None
     if chosen is None:
         return Plan(None, None, ladder[3], ask.budget, ask.answers, candidates=candidates, gpu_bytes=gpu_bytes,
-                    source=source)
+                    source=source, assumed=ask.assumed)
     return Plan(chosen.mesh, chosen.zero_stage, chosen.memory["state"], ask.budget, ask.answers,
                 num_microbatches=chosen.num_microbatches, memory=chosen.memory, time=chosen.time,
-                candidates=candidates, gpu_bytes=gpu_bytes, source=source, num_chunks=chosen.num_chunks)
+                candidates=candidates, gpu_bytes=gpu_bytes, source=source, num_chunks=chosen.num_chunks,
+                assumed=ask.assumed)
 
 
 @dataclass
@@ -147,6 +193,7 @@ class _Questions:
     node: int                 # GPUs per node (or all of them, if fewer)
     convention: str
     answers: list[str] = field(default_factory=list)
+    assumed: str = ""
 
     def first_fit(self, mesh: Mesh, stages=range(4)) -> int | None:
         return next((s for s in stages if need_per_gpu(self.config, mesh, s, self.convention) <= self.budget), None)
@@ -236,8 +283,9 @@ class _Questions:
         memory = memory_per_gpu(self.config, mesh, stage, workload, gpu_bytes=gpu_bytes,
                                 convention=self.convention, reserve_share=reserve_share)
         verdict = "it fits" if memory["total"] <= gpu_bytes else "it does NOT fit"
-        self.answers.append(f"with {shape} (m = {m}; assumed: {workload.assumptions()}; state as "
-                            f"{self.convention!r}, {CONVENTIONS[self.convention].description}): that layout needs "
+        self.assumed = (f"{workload.assumptions()}; state as {self.convention!r}, "
+                        f"{CONVENTIONS[self.convention].description}")
+        self.answers.append(f"with {shape} (m = {m}; assumed: {self.assumed}): that layout needs "
                             f"{size_text(memory['state'])} of state + "
                             f"{size_text(memory['activations'])} of activations + {size_text(memory['reserve'])} reserve = "
                             f"{size_text(memory['total'])} of {size_text(gpu_bytes)}: {verdict}")

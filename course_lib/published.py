@@ -19,7 +19,7 @@ constants were chosen. Two more sets were not:
                                without activation checkpointing (published_data/llm_foundry.csv: each README
                                row as printed). Two choices were made on it, each with evidence of its own: the
                                network as NCCL drives it across nodes (cost.link_for: rail-optimised rings), and
-                               MPT's attention kernel ('flash-whole-square', LLM_FOUNDRY_ASSUMED)
+                               MPT's attention kernel (the Triton FlashAttention, LLM_FOUNDRY_ASSUMED)
     torchtitan_runs()      6   Llama 2 and 3 with FSDP2 on 64 A100 80GB: held out, no choice made on them
 
 error_by_regime() groups the errors by GPU, size, sequence length and recomputation (notebook 09 draws them;
@@ -183,11 +183,10 @@ LLM_FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md (comm
 LLM_FOUNDRY_ASSUMED = ("MPT's shapes from llm-foundry's yamls (its 4d GeLU MLP as the course's SwiGLU of the same "
                        "FLOPs; LayerNorm as RMSNorm); attention: MPT's ALiBi runs only on its Triton or torch "
                        "attention, not FlashAttention-2 (llm-foundry's configuration_mpt: 'alibi only implemented "
-                       "with torch and triton attention'), and no benchmark of that kernel was found: it is timed "
-                       "at FlashAttention-2's share on the whole causal square ('flash-whole-square', no skipped "
-                       "half), an assumption the long-sequence rows bear on most; activation checkpointing 'True' "
-                       "as full recomputation; H100 as the SXM card; resharded after forward (FSDP's default); half "
-                       "the DP traffic hidden (the planner's dp_overlap)")
+                       "with torch and triton attention'): the Triton FlashAttention, at the rate FlashAttention-2's "
+                       "paper states against it ('triton', kernel_times.TRITON_VS_FLASH2); activation "
+                       "checkpointing 'True' as full recomputation; H100 as the SXM card; resharded after forward "
+                       "(FSDP's default); half the DP traffic hidden (the planner's dp_overlap)")
 LLM_FOUNDRY_FILE = Path(__file__).with_name("published_data") / "llm_foundry.csv"
 
 
@@ -203,7 +202,7 @@ def llm_foundry_runs() -> list[PublishedRun]:
                                          vocab_size=int(row["vocab_size"]))
             layout = dict(seq_len=seq_len, micro_batch_size=b,
                           num_microbatches=int(row["global_batch_size"]) // (gpus * b), zero_stage=3,
-                          recompute=row["activation_checkpointing"], dp_overlap=0.5, attention="flash-whole-square")
+                          recompute=row["activation_checkpointing"], dp_overlap=0.5, attention="triton")
             runs.append(PublishedRun(
                 f"MPT-{row['model'].split('-')[1]}, {gpus} {row['gpu']}, s {seq_len:,}, b {b}"
                 + (", recompute" if row["activation_checkpointing"] == "full" else ""),

@@ -17,10 +17,11 @@ How. Two stand-ins make one rank of a huge world cheap, and nothing else changes
 
 On those, :func:`run_rank` runs the notebooks' code: ``make_comms`` (the mesh's groups), ``parallelize``
 (``apply_context_parallel``, ``apply_tp``, ``apply_ep``, ``make_stage``, ZeRO's ``ZeroDataParallel`` over the
-dp × cp group, or HSDP), one ``pipeline_step`` (the schedule, every micro-batch's forward and backward, the sends
-and receives), the gradient reduction and the optimizer's step. It counts state with ``measure_state_bytes`` (meta storages count numel × element size),
-saved activations with ``SavedActivations`` via the step's ``StepRecorder`` (what each forward saves,
-held until its backward: the peak over the schedule), and bytes with ``Comm.trace``.
+dp × cp group, or HSDP), one ``pipeline_step`` (the schedule, every micro-batch's forward and backward, the
+sends and receives), the gradient reduction and the optimizer's step. It counts state with
+``measure_state_bytes`` (meta storages count numel × element size), saved activations with
+``SavedActivations`` via the step's ``StepRecorder`` (each forward's, held until its backward: the peak over
+the schedule), and bytes with ``Comm.trace``.
 
 One thing is rerouted, and said here: on meta tensors torch picks SDPA's math path, which stores the s×s
 attention scores; on CPU (and CUDA) it runs a flash kernel that stores q, k, v, the output and a
@@ -64,6 +65,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .hardware import GPUS
 from .job import Job
 from .ledger import RECOMPUTE
 from .measure import measure_state_bytes
@@ -81,6 +83,7 @@ from .per_rank import (
 from .pipeline_parallel import StepRecorder, stage_chunks
 from .recompute import RecomputeMeter
 from .runtime.arguments import MAX_VIRTUAL_MICROBATCHES, MAX_VIRTUAL_WORLD, integer
+from .virtual_table import format_result
 
 
 @contextlib.contextmanager
@@ -134,10 +137,10 @@ def run_rank(job: Job, rank: int) -> dict:
     each, when cp > 1); the optimizer is ZeroDataParallel's MixedPrecisionAdam (12 bytes of state per parameter it
     owns), torch's Adam for fp32 weights (8 bytes: :func:`_optimizer`; its 4-byte step per tensor is not in total).
     Returns a dict that json.dumps can print: rank, world_size, coords, layers (this stage's [first, last + 1)),
-    state_bytes, activation_bytes_peak,
-    activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops (per axis, per op: counts; "cp" and
-    "ep" when those degrees are > 1), measured / computed, formulas (:func:`formulas`: the same numbers, and
-    ZeRO-2/3's transient_bytes, which meta tensors cannot show: tests/test_zero_reshard.py measures them), seconds."""
+    state_bytes, activation_bytes_peak, activation_bytes_per_microbatch, microbatches_in_flight, sent_bytes, ops
+    (per axis, per op: counts; "cp" and "ep" when those degrees are > 1), measured / computed, formulas
+    (:func:`formulas`: the same numbers, and ZeRO-2/3's transient_bytes, which meta tensors cannot show:
+    tests/test_zero_reshard.py measures them), seconds."""
     start = time.perf_counter()
     job = check_job(job.replace(data_parallel=job.mesh.ep == 1))   # ep > 1: no wrapper averages two groups
     job.stage_of(rank)                  # a rank outside the mesh: the mesh's one-line error, before any group
@@ -235,9 +238,8 @@ def _use_formulas(result: dict, names) -> None:
 
 
 def _optimizer(job: Job) -> dict:
-    """ZeroDataParallel's optimizer for ``job``'s state convention: MixedPrecisionAdam (an fp32 master copy, m and
-    v, 12 bytes per parameter) for 16-bit weights, torch's own Adam (m and v, 8 bytes: the weight is its own
-    master) for fp32 weights."""
+    """ZeroDataParallel's optimizer for ``job``'s state convention: MixedPrecisionAdam (fp32 master, m, v: 12
+    bytes per parameter) for 16-bit weights, torch's Adam (m, v: 8 bytes; the weight is its own master) for fp32."""
     return {"optimizer_class": torch.optim.Adam} if job.state_convention == "fp32" else {}
 
 
@@ -248,17 +250,14 @@ def _ops(log) -> dict[str, int]:
 
 
 def formulas(job: Job, rank: int) -> dict:
-    """What the course's formulas say ``rank`` holds and sends, for :func:`run_rank`'s numbers to be read
-    beside, all from course_lib.per_rank: data_parallel_state_bytes (the job's state convention: e bytes per
-    weight and gradient, 12 of optimizer state, 8 in fp32), transient_bytes_per_rank, activation_bytes_per_rank,
-    sent_bytes_per_rank (tp, pp, cp, ep) and data_parallel_bytes_per_step ("dp", one micro-step per micro-batch;
-    "dp_ops": by op). These count no padding: ZeroDataParallel pads each unit (embedding, each layer, final norm,
-    head) to a multiple of its group, so where the group does not divide a unit the run holds and sends a little
-    more: fewer than dp parameters per unit (zero.padded_num_params counts them exactly). ZeRO shards over the
-    dp × cp ranks that hold the same weights (HSDP: the dp/R × cp of a replica), a mixture's experts over their
-    dp·cp/ep (expert_dp): each part's state and bytes over its own group, added. A mixture of experts'
-    activations have no formula: None. (``num_chunks`` v > 1: the in-flight count is of chunk-micro-batches,
-    per_rank.microbatches_in_flight.)"""
+    """What course_lib.per_rank's formulas say ``rank`` holds and sends, beside :func:`run_rank`'s numbers:
+    data_parallel_state_bytes (e bytes per weight and gradient, 12 of optimizer state, 8 in fp32),
+    transient_bytes_per_rank, activation_bytes_per_rank, sent_bytes_per_rank (tp, pp, cp, ep) and
+    data_parallel_bytes_per_step ("dp"; "dp_ops": by op). No padding: ZeroDataParallel pads each unit to a
+    multiple of its group, fewer than dp parameters more (zero.padded_num_params). ZeRO shards over the dp × cp
+    ranks that hold the same weights (HSDP: a replica's dp/R × cp), experts over their expert_dp: each part over
+    its own group, added. A mixture of experts' activations have no formula: None. (v > 1: the in-flight count
+    is of chunk-micro-batches, per_rank.microbatches_in_flight.)"""
     stage = job.stage_of(rank)
     if job.config.num_experts:
         activations = {"peak": None, "per_microbatch": None,
@@ -275,44 +274,6 @@ def formulas(job: Job, rank: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ command line
-
-def _number(nbytes, unit: int) -> str:
-    """Bytes in ``unit`` (2**30: GiB, 10**9: GB), four significant digits; "-" where there is no number."""
-    return "-" if nbytes is None else f"{nbytes / unit:.4g}"
-
-
-def format_result(result: dict) -> str:
-    """run_rank's record as a table: state and activations in GiB (2**30 bytes), bytes sent per step in GB
-    (10**9, as links are rated), each beside the formula's number and marked measured or computed."""
-    formula, computed = result["formulas"], set(result["computed"])
-    coords = ", ".join(f"{axis} {index}" for axis, index in result["coords"].items())
-    spans = result["layers"] if isinstance(result["layers"][0], list) else [result["layers"]]
-    lines = [f"rank {result['rank']} of {result['world_size']} ({coords}): layers "
-             + " and ".join(f"[{first}, {end})" for first, end in spans) + " (first included, end excluded)",
-             f"{'':30}{'this run':>12}{'formula':>12}"]
-
-    def row(label, run, expected, unit, source):
-        lines.append(f"  {label:<28}{_number(run, unit):>12}{_number(expected, unit):>12}  {source}".rstrip())
-
-    how = "computed" if "state_bytes" in computed else "measured"
-    lines.append("state, GiB")
-    for part in ("weights", "grads", "optimizer", "total"):
-        row(part, result["state_bytes"][part], formula["state_bytes"][part], 2**30, how)
-    row("while stepping (ZeRO-2/3)", None, formula["transient_bytes"]["total"], 2**30, "formula (test_zero_reshard)")
-    lines.append("activations, GiB")
-    row("per micro-batch", result["activation_bytes_per_microbatch"], formula["activation_bytes_per_microbatch"],
-        2**30, "measured")
-    row("in flight (micro-batches)", result["microbatches_in_flight"], formula["microbatches_in_flight"], 1, "measured")
-    row("peak", result["activation_bytes_peak"], formula["activation_bytes_peak"], 2**30, "measured")
-    lines.append("sent per step, GB")
-    for axis, sent in result["sent_bytes"].items():
-        ops = ", ".join(f"{op} x {count}" for op, count in result["ops"].get(axis, {}).items()) or "no ops"
-        source = "computed" if f"sent_bytes.{axis}" in computed else f"measured: {ops}"
-        row(axis, sent, formula["sent_bytes"].get(axis), 10**9, source)
-    lines.append(f"ran in {result['seconds']:.1f} s on a fake process group with meta tensors; formulas: "
-                 "course_lib.per_rank (no ZeRO padding)")
-    return "\n".join(lines)
-
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the description's line breaks; adds "(default: ...)" where the default is a value, or a switch's."""
@@ -382,6 +343,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="weights and gradients: bf16/fp16 with MixedPrecisionAdam (fp32 master, m, v: "
                              "12 bytes), fp32 with torch's Adam (m, v: 8 bytes)")
     _add_switches(parser)
+    parser.add_argument("--gpu", default="H100 SXM", choices=sorted(GPUS),
+                        help="the card the rank's peak memory is weighed against")
     parser.add_argument("--json", action="store_true",
                         help="print run_rank's record as JSON instead of the table (off unless given)")
     return parser
@@ -412,7 +375,7 @@ def main(argv=None) -> int:
     except ValueError as error:          # the run's own one-line errors, as a real run would raise them
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if args.json else format_result(result))
+    print(json.dumps(result, indent=1) if args.json else format_result(result, args.gpu))
     return 0
 
 

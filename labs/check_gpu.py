@@ -41,6 +41,7 @@ from lab_checks import Check, lab_checks, size
 from common import RESULTS, cpu_model
 from course_lib import device, launch
 from course_lib.comm import BUS_FACTOR, Comm, CostModel
+from course_lib.runtime.arguments import writable_folder
 
 LABS_DIR = Path(__file__).resolve().parent
 REPO = LABS_DIR.parent
@@ -300,7 +301,7 @@ def summary(report: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--labs", nargs="+", choices=list(LABS), default=list(LABS), help="default: every lab")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
+    parser.add_argument("--out", type=writable_folder, default=RESULTS, help="where the results go (a folder)")
     args = parser.parse_args()
     start, gpus = time.perf_counter(), torch.cuda.device_count()
     run, backend = ("GPU check", "nccl") if gpus else ("CPU smoke run", "gloo")

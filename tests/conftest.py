@@ -18,6 +18,12 @@ _HOME = tempfile.mkdtemp(prefix="course-tests-home-")
 os.environ.update(IPYTHONDIR=f"{_HOME}/ipython", MPLCONFIGDIR=f"{_HOME}/matplotlib",
                   JUPYTER_CONFIG_DIR=f"{_HOME}/jupyter/config", JUPYTER_DATA_DIR=f"{_HOME}/jupyter/data",
                   JUPYTER_RUNTIME_DIR=f"{_HOME}/jupyter/runtime")
+# ATEN_CPU_CAPABILITY=default (the suite's portable run) caps ATen's own kernels, not oneDNN's: on a CPU with AMX,
+# bf16 CPU attention still asks oneDNN whether to pack its operands, and then calls ATen's AVX-512-only packing
+# ("pack_vnni2 is only supported when avx512 is supported"). Cap oneDNN's instruction set the same way (before
+# torch is imported, here and in every kernel and rank the tests start).
+if os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2"):
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
 def pytest_unconfigure(config):

@@ -45,7 +45,7 @@ def test_values_in_range_are_read():
 
 def test_an_output_folder_is_checked_before_the_run(tmp_path):
     assert writable_folder(str(tmp_path / "new" / "folder")) == tmp_path / "new" / "folder"
-    assert (tmp_path / "new" / "folder").is_dir()
+    assert list(tmp_path.iterdir()) == []       # checked, not made: a later argument may still be refused
     (tmp_path / "file").write_text("")
     with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
         writable_folder(str(tmp_path / "file"))

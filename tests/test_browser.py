@@ -105,7 +105,7 @@ def wait_for(condition, seconds, what):
 
 
 NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-WIDGET_REPR = re.compile(r"\b(VBox|HBox|SelectionSlider|Dropdown|ToggleButtons|Output)\(")  # a widget as raw text
+WIDGET_REPR = re.compile(r"\b(VBox|HBox|SelectionSlider|Dropdown|ToggleButtons|Output|interactive|IntSlider|FloatSlider|FloatLogSlider)\(")  # a widget as raw text
 ERROR_LINE = re.compile(r"^\w+(?:Error|Exception)\b.*$", re.M)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_files
 
-from course_lib import checkpoint
+from course_lib import checkpoint, checkpoint_commit
 from course_lib.model import build, preset
 from course_lib.runs.checkpoint import LAYOUTS, Trainer
 from course_lib.runtime.launch import RankError, launch
@@ -115,3 +115,41 @@ def test_a_flipped_byte_is_refused_naming_its_file(saved, tmp_path):
         checkpoint.load_plain(model, optimizer, str(copy), checkpoint.train_state(0, seed=0, batch_size=8))
     train = checkpoint.load_plain(model, optimizer, str(saved), checkpoint.train_state(0, seed=0, batch_size=8))
     assert train["step"] == 1                                        # the untouched one loads
+
+
+def save_asynchronously_and_return(rank, world_size, *, root: str):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    trainer.save(os.path.join(root, "ckpt"), asynchronous=True)     # never waited for
+
+
+def test_an_asynchronous_save_not_waited_for_is_finished_and_said(tmp_path, capfd):
+    """The function returns while its save is still writing; the world ends next. The rank waits for it, says
+    so, and the checkpoint is committed: step 1, whole."""
+    launch(save_asynchronously_and_return, 2, root=str(tmp_path), timeout=120)
+    assert "asynchronous save of" in capfd.readouterr().err
+    model = build(preset("tiny"), dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    train = checkpoint.load_plain(model, optimizer, str(tmp_path / "ckpt"), checkpoint.train_state(0, seed=0,
+                                                                                                    batch_size=8))
+    assert train["step"] == 1
+
+
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it(saved, tmp_path):
+    """A shard cut short (its checksum rewritten to match, so only DCP's reader can tell): one line naming the
+    folder, the rank and the cause, not DCP's ~70 lines of every rank's traceback."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    sums = json.loads((folder / "checksums.json").read_text())
+    sums[shard.name] = checkpoint_commit._sha256(str(shard))
+    (folder / "checksums.json").write_text(json.dumps(sums))
+    model = build(preset("tiny"), dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    with pytest.raises(RuntimeError, match=r"ckpt: (loading|reading the step and config) failed on rank 0: ") as error:
+        checkpoint.load_plain(model, optimizer, str(folder), checkpoint.train_state(0, seed=0, batch_size=8))
+    assert "\n" not in str(error.value)

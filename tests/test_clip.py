@@ -55,6 +55,7 @@ def test_the_global_norm_over_expert_parallel_ranks_counts_each_expert_once():
     experts = sum(p.grad.pow(2).sum().item() for n, p in model.named_parameters() if ".experts." in n)
     shared = sum(p.grad.pow(2).sum().item() for n, p in model.named_parameters() if ".experts." not in n)
     assert abs(results[0]["naive"] - (4 * shared + 2 * experts) ** 0.5) < TOLERANCE
+    assert all(abs(r["shared_counted"] - 4) < TOLERANCE for r in results)     # what notebook 10 reveals
 
 
 @pytest.mark.ranks

@@ -385,8 +385,9 @@ def test_a_matmul_takes_the_longest_of_compute_memory_and_launch():
 
 
 def test_causal_flash_attention_runs_half_the_square():
-    """What the kernel runs (time) is half of what MFU counts (the whole square, as Megatron-LM counts it);
-    backward runs 2.5 times forward's matmul work."""
+    """What the kernel runs is half of what MFU counts (the whole square, as Megatron-LM counts it); backward
+    runs 2.5 times forward's matmul work; each at its benchmark's rate (FlashAttention-2 on H100 at 4k tokens:
+    294 TFLOP/s causal, 326 not), so the causal half takes more than half the time."""
     from course_lib.kernel_times import layer_operations
     config, kw = preset("llama2-7b"), dict(micro_batch_size=1, seq_len=4096)
     causal, full = (next(op for op in layer_operations(config, find_gpu("H100 SXM"), causal=c, **kw)
@@ -394,7 +395,7 @@ def test_causal_flash_attention_runs_half_the_square():
     terms = forward_terms(config, batch_size=1, seq_len=4096)
     square = (terms["attention scores"] + terms["attention values"]) / config.num_layers
     assert full.flops == pytest.approx(3.5 * square) and causal.flops == pytest.approx(full.flops / 2)
-    assert causal.bound == "compute" and causal.seconds == pytest.approx(full.seconds / 2)
+    assert causal.bound == "compute" and causal.seconds == pytest.approx(full.seconds / 2 * 326 / 294)
 
 
 def test_the_operations_add_up_to_the_compute_and_mfu_keeps_the_megatron_count():

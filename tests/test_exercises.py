@@ -69,6 +69,14 @@ def test_every_checker_passes_its_reference_answer(capsys, checker):
     verdict(capsys, getattr(exercises, checker)(solutions.BY_EXERCISE[exercise]), True, *RIGHT.get(checker, []))
 
 
+@pytest.mark.parametrize("checker", CHECKERS)
+@pytest.mark.parametrize("given", [None, "my_function", 42])
+def test_every_checker_answers_a_value_instead_of_a_function_with_one_line(capsys, checker, given):
+    """A learner who passes a value (or calls their function in the call) gets a ✗ line, not a traceback."""
+    shown = verdict(capsys, getattr(exercises, checker)(given), False, "takes your function itself")
+    assert type(given).__name__ in shown and "Traceback" not in shown
+
+
 def test_every_reference_answer_has_a_checker():
     assert sorted(f"check_{name}" for name in solutions.BY_EXERCISE) == CHECKERS
 

@@ -315,3 +315,19 @@ def test_stop_ranks_closes_every_group_and_says_so_without_returning_a_value(cap
     assert stop_ranks() is None and Group.closed == 2                # nothing for a cell to echo, like [None]
     assert stop_ranks() is None and Group.closed == 2
     assert capsys.readouterr().out == "stopped the explorer's 5 ranks\nthe explorer had no ranks running\n"
+
+
+# ---- 10 · checkpoints and failures ------------------------------------------------------------------------
+
+def test_failures_explorer_marks_youngs_interval_for_round_checkpoint_times(drawn):
+    """The δ slider offers round seconds (8, not the 7.94 a log slider shows); each redraw marks Young's
+    interval for the cluster's MTBF at Llama 3's rate, and 16 times the GPUs shortens it 4 times."""
+    from course_lib import failures
+
+    panel = explorers.failures_explorer()
+    assert values(panel.controls) == {"gpus": 1024, "checkpoint_s": 8, "restart_min": 10}
+    assert panel.best == pytest.approx(failures.young_interval(8, failures.mtbf_seconds(1024)))
+    at_1024 = panel.best
+    panel.controls["gpus"].value = 16384
+    assert panel.best == pytest.approx(at_1024 / 4) and drawn[-1].name == "checkpoint_waste"
+    every_option(panel, drawn)

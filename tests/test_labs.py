@@ -264,3 +264,11 @@ def test_a_lab_gives_a_long_run_time_to_finish(monkeypatch):
         with pytest.raises(SystemExit):
             lab.main(argv)
         assert seen["timeout"] == timeout
+
+
+def test_a_refused_command_leaves_no_folder_behind(monkeypatch, capsys, tmp_path):
+    """`--out a/b/c --world-size 0`: refused by the later argument, and a/b/c was never made."""
+    gpus(monkeypatch, 0)
+    out = tmp_path / "a" / "b" / "c"
+    assert exit_code_before_launch(monkeypatch, "training_step", ["--out", str(out), "--world-size", "0"]) == 2
+    assert "--world-size: 0 is below 1" in capsys.readouterr().err and not (tmp_path / "a").exists()

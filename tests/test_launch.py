@@ -62,6 +62,33 @@ def test_each_rank_output_is_shown_with_its_rank(capsys):
         assert f"[rank {r}] to stderr\n" in err
 
 
+def test_a_long_line_without_a_newline_arrives_whole_even_split_inside_a_character(capsys):
+    """600 KB in one line, written in pieces of 7 bytes (so the pipe's chunks end inside a 2-byte character),
+    the newline only at the end: relayed as one line, every character whole."""
+    def long_line(rank, world_size):
+        text = ("aé" * 200_000).encode()
+        for start in range(0, len(text), 7):
+            os.write(1, text[start:start + 7])
+        os.write(1, b"\n")
+
+    launch(long_line, 1)
+    assert capsys.readouterr().out.count("[rank 0] " + "aé" * 200_000 + "\n") == 1
+
+
+def test_grouped_output_shows_each_ranks_last_lines_and_says_how_many_it_left_out():
+    """A %%ranks cell's block per rank holds its last 1,000 lines, each cut at 10,000 characters: what a redraw
+    sends stays the same size however long the cell prints."""
+    from course_lib.runtime.magics import GroupedOutput
+
+    output = GroupedOutput([0, 1], refresh_seconds=1e9)
+    for i in range(5000):
+        output.add(0, "stdout", f"line {i}\n")
+    output.add(1, "stdout", "x" * 50_000 + "\n")
+    text = output.text()
+    assert "… 4,000 earlier lines not shown (the last 1,000 are)\nline 4000\n" in text and "line 3999\n" not in text
+    assert "x" * 10_000 + "… (40,000 more characters)\n" in text and len(text) < 40_000
+
+
 def test_a_failing_rank_is_named_with_its_traceback_while_peers_wait_in_a_collective():
     def fail_on_two(rank, world_size):
         if rank == 2:

@@ -37,6 +37,14 @@ def test_ranks_start_refuses_a_world_far_beyond_the_machine(kernel):
     assert "CPU cores and" in text and "GiB of memory" in text and "ranks started" not in text
     text, _ = run_cell(kc, "%ranks status")
     assert "no ranks are running" in text
+    # A running world is checked against before it is stopped: a bad start keeps it, and its variables.
+    run_cell(kc, "%ranks start 2")
+    run_cell(kc, "%%ranks\nkept = rank * 10")
+    for bad, says in (("1000", "is more than this machine can run"), ("2 --backend nccl", "needs one GPU per rank")):
+        text, _ = run_cell(kc, f"%ranks start {bad}")
+        assert "UsageError: %ranks start" in text and says in text and "(the running world is kept)" in text, text
+    text, ename = run_cell(kc, "%%ranks\nkept")
+    assert ename is None and "Out: 0" in text and "Out: 10" in text, text
 
 
 @pytest.fixture
@@ -71,3 +79,15 @@ def test_the_course_kernel_spec_is_the_default_one_plus_the_extension():
     ours = json.loads((REPO / ".jupyter" / "kernels" / "python3" / "kernel.json").read_text())
     assert ours["argv"] == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext=course_lib.runtime.magics"]
     assert ours["language"] == "python"
+
+
+def test_only_needs_at_least_one_rank():
+    """`%%ranks --only ,` names the flag and the form it wants, not "min() arg is an empty sequence"."""
+    import argparse
+
+    from course_lib.runtime.magics import _rank_list
+
+    assert _rank_list("0, 2") == [0, 2]
+    for bad in (",", "", "a,b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give rank numbers separated by commas"):
+            _rank_list(bad)

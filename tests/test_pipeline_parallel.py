@@ -226,12 +226,13 @@ def test_gpipe_holds_all_micro_batches_1f1b_at_most_p(weights):
     assert runs["gpipe"].peak_in_flight_bytes(3) == 8 * runs["1f1b"].peak_in_flight_bytes(3) > 0
 
 
-@pytest.mark.parametrize("num_stages,num_microbatches,compute", [(2, 1, True), (2, 4, True), (4, 8, False)])
-def test_controlled_cost_bubble_is_the_formula(num_stages, num_microbatches, compute, weights):
-    # compute=False: the ops only sleep (zeros of the activations' shape travel). 4 ranks computing in lockstep
-    # on 2 cores would wait for each other's compute at every op start, and that shows up as bubble.
+@pytest.mark.parametrize("num_stages,num_microbatches", [(2, 1), (2, 4), (4, 8)])
+def test_controlled_cost_bubble_is_the_formula(num_stages, num_microbatches, weights):
+    # compute=False: the ops only sleep (zeros of the activations' shape travel). Ranks computing for real on a
+    # busy machine wait for the cores at every op start, and that shows up as bubble: a stopwatch, not a test
+    # (benchmarks/pp.py measures the computing run).
     timeline = Timeline.from_results(launch(pipeline_worker, num_stages, num_microbatches=num_microbatches,
-                                            schedule="gpipe", compute=compute, weights=weights, **CONTROLLED))
+                                            schedule="gpipe", compute=False, weights=weights, **CONTROLLED))
     assert timeline.overruns == 0
     assert timeline.bubble == pytest.approx(bubble_fraction(num_stages, num_microbatches), abs=BUBBLE_TOLERANCE)
 

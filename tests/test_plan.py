@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from course_lib.cost import step_time
 from course_lib.mesh import Mesh
 from course_lib.model import ModelConfig, preset
 from course_lib.plan import bad_smells, plan
@@ -66,6 +67,17 @@ def test_the_recipes_are_compared_and_the_fastest_that_fits_wins():
     assert Workload(global_batch_size=1000, micro_batch_size=3).num_microbatches(8) is None
 
 
+def test_a_plan_shows_in_a_notebook_as_tables_with_its_assumptions_once():
+    """A notebook shows a plan as HTML: the five answers in a table, one row per recipe with its memory and speed,
+    and what was assumed once (as text the assumptions sit inside answer 4 and the lines wrap mid-word)."""
+    chosen = plan(preset("llama2-70b"), num_gpus=32, gpu_bytes=80 * GiB)
+    page = chosen._repr_html_()
+    assert chosen.assumed and chosen.assumed in chosen.answers[3]
+    assert page.count("fused-kernel RMSNorm") == 1 and page.count("<table>") == 2
+    assert page.count("<tr>") == 1 + 5 + 1 + len(chosen.candidates)
+    assert "does not fit" in page and "fastest" in page and f"{chosen.time.tokens_per_s:,.0f}" in page
+
+
 def test_a_layer_too_big_for_one_gpu_fits_by_state_alone_but_not_with_activations():
     layout = plan(HUGE_LAYERS, num_gpus=8, gpu_bytes=40 * GiB, workload=Workload(recompute="full"))
     assert layout.source == (Mesh(dp=4, tp=2), 3) and need_per_gpu(HUGE_LAYERS, Mesh(dp=4, tp=2), 3) <= 40 * GiB
@@ -113,6 +125,14 @@ def test_bad_smells_and_bad_input():
         plan(preset("tiny"), num_gpus=12, gpu_bytes=80 * GB)
     with pytest.raises(ValueError, match="recompute='some': choose one of none, selective, full"):
         Workload(recompute="some")
+    for bad, says in ((None, "plan takes a ModelConfig first .* not NoneType"),
+                      ("llama2-7b", "plan takes a ModelConfig first .* not str 'llama2-7b'")):
+        with pytest.raises(TypeError, match=says):
+            plan(bad, num_gpus=8)
+    with pytest.raises(TypeError, match="workload='big': a recipes.Workload"):
+        plan(preset("tiny"), num_gpus=8, workload="big")
+    with pytest.raises(TypeError, match="step_time takes a Job .* not NoneType"):
+        step_time(None)
 
 
 SITUATIONS = [  # notebook 06's situations that fit, with a batch small enough to run virtually in seconds

@@ -1,6 +1,7 @@
 """course_lib.presentation.predict: a prediction is locked in by its button, and only then is the answer shown beside it; no
 committed notebook shows a reveal's answer."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -22,6 +23,22 @@ def test_a_reveal_without_a_locked_guess_shows_no_answer():
     guess = Prediction("p = 8, m = 8: bubble?", unit="%")
     line = guess.reveal(46.7, "the formula")
     assert LOCK_FIRST in line and "46.7" not in line and line.startswith("the formula: ")
+
+
+def test_the_working_is_held_back_until_a_guess_is_locked(capsys):
+    """Run All without a guess shows no answer: what ``working()`` prints stays hidden (the block still runs),
+    and appears once a guess is locked in."""
+    guess = Prediction("p = 8, m = 8: bubble?", unit="%")
+    with guess.working():
+        print("bubble = 46.7%")
+        ran = True
+    shown = capsys.readouterr().out
+    assert ran and "46.7" not in shown and "once a guess is locked in" in shown
+    guess.box.value = 20
+    guess.button.click()
+    with guess.working():
+        print("bubble = 46.7%")
+    assert "bubble = 46.7%" in capsys.readouterr().out
 
 
 def test_a_locked_guess_is_revealed_beside_the_answer_in_the_question_s_units_with_a_verdict():
@@ -76,7 +93,22 @@ def test_no_committed_notebook_shows_a_reveal_s_answer(path):
     shown = [cell.get("id") for cell in reveal_cells(notebook) if cell.outputs]
     assert not shown, (f"{path.name}: reveal cells {shown} carry outputs (the answer before a guess): run "
                        f"`python -m course_lib.presentation.predict {path.relative_to(path.parent.parent)}`")
+    for cell in reveal_cells(notebook):   # checks that hold the answer go in the next cell, its source collapsed
+        assert not re.search(r"^\s*assert\b", cell.source, re.M), (f"{path.name}: reveal cell {cell.get('id')} "
+                                                                    "asserts (its source shows the answer)")
+    for before, after in zip(notebook.cells, notebook.cells[1:]):
+        if before in reveal_cells(notebook) and re.search(r"^\s*assert\b", after.source, re.M):
+            assert after.metadata.get("jupyter", {}).get("source_hidden"), f"{path.name}: {after.get('id')}"
     for cell in notebook.cells:     # every answer goes through a Prediction's reveal, which hides it until locked
         for output in cell.get("outputs", []):
             text = output.get("text") or output.get("data", {}).get("text/plain", "")
             assert "you predicted" not in text and "(no prediction locked in above" not in text, cell.get("id")
+
+
+def test_a_table_escapes_its_cells_and_refuses_a_ragged_row():
+    from course_lib.presentation.tables import table
+
+    shown = table(["run", "MFU"], [["GPT <1T>", "52.2%"]], caption="published").data
+    assert "GPT &lt;1T&gt;" in shown and shown.count("<tr>") == 2 and "<caption" in shown
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        table(["run", "MFU"], [["GPT"]])

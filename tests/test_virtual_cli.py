@@ -23,7 +23,7 @@ def job(config, mesh, **options) -> Job:
     return Job(config, mesh, **{"zero_stage": 1, "recompute": "selective", **options})
 
 
-def test_the_table_shows_the_json_records_numbers_in_gib_and_gb(capsys):
+def test_the_table_shows_the_json_records_numbers_in_gib(capsys):
     assert main([*ARGV, "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert main(ARGV) == 0
@@ -39,10 +39,22 @@ def test_the_table_shows_the_json_records_numbers_in_gib_and_gb(capsys):
     assert shown("peak")[0] == pytest.approx(record["activation_bytes_peak"] / 2**30, rel=1e-3)
     assert set(record["sent_bytes"]) == {"tp", "pp", "dp"}
     for axis, nbytes in record["sent_bytes"].items():
-        gigabytes, line = shown(axis)
-        assert nbytes > 0 and gigabytes == pytest.approx(nbytes / 1e9, rel=1e-3)
+        gib, line = shown(axis)
+        assert nbytes > 0 and gib == pytest.approx(nbytes / 2**30, rel=1e-3)
         assert line.endswith("measured: " + ", ".join(f"{op} x {n}" for op, n in record["ops"][axis].items()))
     assert re.search(r"^ran in \d+\.\d s", table, re.MULTILINE)
+    assert " GB" not in table.replace("80GB", "")                       # one unit throughout
+    total = record["state_bytes"]["total"] + record["formulas"]["transient_bytes"]["total"] + \
+        record["activation_bytes_peak"]
+    assert f"peak = {total / 2**30:.4g} GiB: it fits" in table and "H100 SXM 80GB (80 GiB)" in table
+
+
+def test_a_rank_that_does_not_fit_on_its_card_is_told_so(capsys):
+    """The help's Mixtral example: 157 GiB on one rank, beside an 80 GiB H100 and a 141 GiB H200."""
+    argv = ["--preset", "mixtral-8x7b", "--dp", "4", "--cp", "2", "--ep", "8", "--pp", "4", "--rank", "5",
+            "--seq-len", "32768"]
+    assert main(argv) == 0 and "it does NOT fit" in capsys.readouterr().out
+    assert main([*argv, "--gpu", "H200 SXM"]) == 0 and "(141 GiB)" in capsys.readouterr().out
 
 
 def test_help_gives_every_flag_a_line_and_its_default_and_lists_the_presets(capsys):
@@ -51,7 +63,7 @@ def test_help_gives_every_flag_a_line_and_its_default_and_lists_the_presets(caps
     assert done.value.code == 0
     text = capsys.readouterr().out
     flags = re.findall(r"^  (--[a-z-]+)(.*(?:\n {6,}.*)*)", text, re.MULTILINE)
-    assert len(flags) == 23, [flag for flag, _ in flags]      # all but -h, --help
+    assert len(flags) == 24, [flag for flag, _ in flags]      # all but -h, --help
     for flag, block in flags:
         words = " ".join(block.split())
         assert "(default: " in words or "(off unless given)" in words, (flag, words)

@@ -139,7 +139,7 @@ def test_a_rank_killed_by_sigkill_between_cells_is_named_and_started_again():
         outcome = w.exec("dist.barrier()\nglobals().get('kept', 'lost')")
         assert outcome.error is None and values(outcome) == ["0", "'lost'", "2"]
         assert outcome.world == "recovered" and outcome.note.startswith(
-            "ranks [1] had died (rank 1: exit code -9, killed by SIGKILL (out of memory?)) and were started again"), \
+            "ranks [1] had died (rank 1: exit code -9, killed by SIGKILL (a kill -9 or the out-of-memory killer)) and were started again"), \
             outcome.note
         assert w.status()["generation"] == 1 and w.status()["pids"][0::2] == old_pids[0::2]
         kill(w, 2)                                               # run(), pull() and push() recover the same way

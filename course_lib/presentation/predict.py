@@ -3,21 +3,27 @@
     guess = Prediction("p = 8 stages, m = 8 micro-batches: what share of the step does a GPU idle?", unit="%")
     guess                         # the question, a number box and a "lock it in" button
     ...
+    with guess.working():         # the lines and plots that would give the answer away: held until a guess
+        print(table)
     print(guess.reveal(46.7))     # "you predicted 20 %; measured: 46.7 %: off by 26.7 points (2.3x too low)"
 
 A guess made before the answer is seen is what makes the answer stick, so the answer waits for it: a reveal
-with no guess locked in says "lock in a guess first" and shows no number. For the same reason a committed
-notebook carries no output of a reveal cell (a cell that calls ``.reveal(``): ``strip_reveal_outputs`` removes
-them after a notebook is executed, and the course's tests check every notebook.
+with no guess locked in says "lock in a guess first" and shows no number, and ``working()`` shows nothing of
+what it holds (a learner who runs every cell without guessing sees no answer). The checks that hold the answer
+go in the cell after the reveal, its source collapsed. For the same reason a committed notebook carries no
+output of a reveal cell (a cell that calls ``.reveal(``): ``strip_reveal_outputs`` removes them after a
+notebook is executed, and the course's tests check every notebook.
 
     python -m course_lib.presentation.predict notebooks/*.ipynb       # strip reveal cells' outputs in place
 """
 
+import contextlib
 import math
 import re
 import sys
 
 import ipywidgets as widgets
+from IPython.utils.capture import capture_output
 
 REVEAL_CALL = re.compile(r"\.reveal\(")
 LOCK_FIRST = "lock in a guess first"
@@ -91,6 +97,17 @@ class Prediction(widgets.VBox):
                     "prediction")
         return (f"you predicted {format_value(self.guess, self.unit)}; {how}: {format_value(actual, self.unit)}: "
                 f"{verdict(self.guess, actual, self.unit)}")
+
+    @contextlib.contextmanager
+    def working(self):
+        """Show what the block prints and draws only once a guess is locked in; before, hold it back (the block
+        still runs: the cells after it may need what it computes)."""
+        if self.guess is not None:
+            yield
+            return
+        with capture_output():
+            yield
+        print("(the working that gives the answer away appears here once a guess is locked in)")
 
     def __repr__(self) -> str:   # what a saved notebook shows before the cell is run again
         return f"Predict first: {self.question} (run this cell to answer)"

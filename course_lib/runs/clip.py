@@ -36,8 +36,8 @@ def expert_parallel_norms(rank: int, world_size: int, *, ep: int = 2, batch_size
     """For ``launch``: a mixture-of-experts model, dp = world_size, its experts split over EP groups of ``ep``
     ranks (expert_parallel.apply_ep). Each rank's gradients for its rows of step 0's batch, averaged as training would:
     the shared weights over dp, each expert over its expert-dp replicas (its gradient already holds every EP
-    rank's tokens). Returns the global norm, each parameter counted once (clip.counted_parameters), and the naive
-    one (every rank's squares of all it holds)."""
+    rank's tokens). Returns the global norm, each parameter counted once (clip.counted_parameters), the naive
+    one (every rank's squares of all it holds), and how many times the naive one counts a shared weight."""
     config = preset("tiny", **MOE)
     mesh = Mesh(dp=world_size, ep=ep)
     comms = make_comms(mesh, rank)
@@ -51,7 +51,12 @@ def expert_parallel_norms(rank: int, world_size: int, *, ep: int = 2, batch_size
         param.grad /= world_size          # the mean loss over all dp ranks' rows
     world = Comm()
     counted = [p.grad for _, p in counted_parameters(model, mesh, rank)]
-    return {"norm": global_norm(counted, world).item(), "naive": naive_norm(model, world).item()}
+    # how many times the naive sum counts one shared weight's square: the embedding's, summed over every rank
+    shared = model.embed.weight.grad.square().sum()
+    everywhere = shared.clone()
+    world.all_reduce(everywhere)
+    return {"norm": global_norm(counted, world).item(), "naive": naive_norm(model, world).item(),
+            "shared_counted": (everywhere / shared).item()}
 
 
 def dtensor_norm(rank: int, world_size: int, *, dp: int = 2, batch_size: int = 8, seq_len: int = 16,

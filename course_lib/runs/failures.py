@@ -4,6 +4,7 @@ and the rank named by torch's monitored_barrier."""
 from __future__ import annotations
 
 import datetime
+import re
 import time
 
 import torch
@@ -27,7 +28,7 @@ def hung_collective(rank: int, world_size: int, *, missing_rank: int, timeout_s:
     try:
         dist.all_reduce(torch.ones(4), group=group)
     except RuntimeError as error:
-        found["error"] = str(error).splitlines()[0]
+        found["error"] = re.sub(r"^\[[^\]]*\]\s*", "", str(error).splitlines()[0])   # without gloo's "[file.cc:78]"
     found["waited_s"] = time.perf_counter() - start
     try:
         dist.monitored_barrier(group=spare, timeout=timeout, wait_all_ranks=True)

@@ -64,13 +64,17 @@ def real(*, above: float | None = None, at_least: float | None = None, below: fl
 
 
 def writable_folder(text: str) -> Path:
-    """A folder results can be written to, checked now (made if missing) rather than after a long run."""
+    """A folder results can be written to, checked now rather than after a long run, and not made yet: a later
+    argument may still be refused, and a refused command leaves nothing behind. The folder, or the nearest of its
+    parents that exists, must be a folder this user may write into."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file, not a folder: results are written into a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+    existing = next(parent for parent in (path.absolute(), *path.absolute().parents) if parent.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot make {text}: {existing} is a file")
+    try:   # a file made and removed in what exists already (a permission check alone trusts root everywhere)
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         raise argparse.ArgumentTypeError(f"cannot write into {text}: {error.strerror or error}") from None

@@ -26,6 +26,7 @@ stays usable and says whether it had to recover (new process group, variables ke
 from __future__ import annotations
 
 import argparse
+import collections
 import shlex
 import time
 import traceback
@@ -37,7 +38,7 @@ from IPython.display import display, update_display
 from .arguments import integer, real
 from .launch import DEFAULT_TIMEOUT
 from .tracebacks import name_cells
-from .workers import TICK_SECONDS
+from .workers import TICK_SECONDS, check_world_fits, choose_backend
 from .world import World
 
 
@@ -68,20 +69,32 @@ class _Parser(argparse.ArgumentParser):
 
 def _rank_list(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        ranks = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
+        ranks = []
+    if not ranks:
         raise argparse.ArgumentTypeError(f"--only {text!r}: give rank numbers separated by commas, e.g. 0,2")
+    return ranks
 
 
 class GroupedOutput:
-    """Lines printed by each rank, shown as one block per rank and redrawn as they arrive."""
+    """Lines printed by each rank, shown as one block per rank and redrawn as they arrive. Each redraw sends the
+    whole block to the notebook, so a block shows a rank's last SHOWN_LINES lines, each cut at SHOWN_CHARS
+    characters: a redraw costs the same at the 300,000th line as at the 300th (whole, 300k lines sent 138 MB)."""
+
+    SHOWN_LINES, SHOWN_CHARS = 1000, 10_000
 
     def __init__(self, ranks: list[int], refresh_seconds: float = TICK_SECONDS):
-        self.lines = {r: [] for r in ranks}
+        self.lines = {r: collections.deque(maxlen=self.SHOWN_LINES) for r in ranks}
+        self.counts = dict.fromkeys(ranks, 0)
         self.display_id, self.refresh_seconds, self.last_draw, self.stale = None, refresh_seconds, 0.0, False
 
     def add(self, rank: int, stream: str, line: str) -> None:
-        self.lines.setdefault(rank, []).append(line)
+        text = line.rstrip("\n")
+        if len(text) > self.SHOWN_CHARS:
+            line = f"{text[:self.SHOWN_CHARS]}… ({len(text) - self.SHOWN_CHARS:,} more characters)\n"
+        self.lines.setdefault(rank, collections.deque(maxlen=self.SHOWN_LINES)).append(line)
+        self.counts[rank] = self.counts.get(rank, 0) + 1
         self.stale = True
         self.tick()
 
@@ -91,7 +104,10 @@ class GroupedOutput:
             self.draw()
 
     def text(self) -> str:
-        blocks = [f"── rank {r} ──\n" + "".join(lines) for r, lines in self.lines.items() if lines]
+        def hidden(r):
+            earlier = self.counts.get(r, 0) - len(self.lines[r])
+            return f"… {earlier:,} earlier lines not shown (the last {self.SHOWN_LINES:,} are)\n" if earlier else ""
+        blocks = [f"── rank {r} ──\n" + hidden(r) + "".join(lines) for r, lines in self.lines.items() if lines]
         return "".join(block if block.endswith("\n") else block + "\n" for block in blocks)
 
     def draw(self) -> None:
@@ -135,6 +151,12 @@ class RanksMagics(Magics):
         parser.add_argument("world_size", type=integer(1))
         parser.add_argument("--backend", choices=["gloo", "nccl"])
         options = parser.parse_args(args)
+        try:   # the new world's rules, checked before the running world (and its variables) is stopped
+            choose_backend(options.backend, options.world_size)
+            check_world_fits(options.world_size)
+        except ValueError as err:
+            kept = " (the running world is kept)" if self.world is not None else ""
+            raise UsageError(f"%ranks start: {str(err).rstrip('.')}{kept}")
         if self.world is not None:
             self.world.stop()
             self.world = None

@@ -47,7 +47,8 @@ def main_module_hidden():
 def describe_exit(code) -> str:
     if code is not None and code < 0:
         name = signal.Signals(-code).name
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        # SIGKILL cannot be caught: a kill -9, the kernel's out-of-memory killer, or the rank killing itself
+        hint = " (a kill -9 or the out-of-memory killer)" if name == "SIGKILL" else ""
         return f"{code}, killed by {name}{hint}"
     return str(code)
 

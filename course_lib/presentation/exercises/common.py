@@ -18,7 +18,13 @@ def exercise(check):
 
     @functools.wraps(check)
     def checked(*args, **kwargs) -> bool:
-        passed = check(*args, **kwargs)
+        given = args[0] if args else next(iter(kwargs.values()), None)
+        if callable(given):
+            passed = check(*args, **kwargs)
+        else:   # a learner who passed a value, or called their function: one line, not a traceback
+            print(f"✗ check_{name} takes your function itself, e.g. check_{name}(my_function) with no () after its "
+                  f"name; it got {type(given).__name__} {given!r:.40}")
+            passed = False
         if not passed:
             print(f"  stuck? run exercises.solution({name!r}) to see a reference answer")
         return passed

@@ -4,7 +4,7 @@ cluster."""
 import ipywidgets as widgets
 import torch
 
-from ... import hardware
+from ... import failures, hardware
 from ...ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_state_bytes
 from ...mesh import Mesh
 from ...model import ModelConfig, param_count_formula, preset
@@ -259,3 +259,31 @@ def _print_plan(chosen_plan, config, per_node: int, card) -> None:
             print("bad smell:", smell)
     print(f"(reserve: {RESERVE_SHARE:.0%} of the card for what no formula counts; {card.name}: "
           f"{format_bytes(card.memory_bytes)}, 1 GiB = 2**30 bytes)")
+
+
+# checkpoint seconds δ the failures explorer offers: round numbers on a log scale (a FloatLogSlider shows 7.94 for 8)
+CHECKPOINT_SECONDS = (0.1, 0.3, 1, 3, 8, 20, 60, 200, 1000)
+
+
+def failures_explorer(gpus=1024, checkpoint_s=8, restart_min=10, step_s=10.0):
+    """GPUs × checkpoint seconds δ × restart minutes → the share of a run lost against the checkpoint interval
+    (failures.waste_fraction: δ/τ + τ/2M + R/M), M at Llama 3's failure rate per GPU (failures.mtbf_seconds),
+    Young's interval marked. ``panel.best``: Young's interval in seconds, as drawn."""
+    controls = {
+        "gpus": widgets.SelectionSlider(options=[64, 256, 1024, 4096, 16384], value=gpus, description="GPUs"),
+        "checkpoint_s": widgets.SelectionSlider(options=list(CHECKPOINT_SECONDS), value=checkpoint_s,
+                                                description="checkpoint δ (s)"),
+        "restart_min": widgets.IntSlider(value=restart_min, min=1, max=60, description="restart (min)"),
+    }
+    panel = ExplorerPanel([widgets.HBox(list(controls.values()))], controls,
+                          "the share of a run lost to checkpoints, redone work and restarts, against how often it "
+                          "checkpoints, for a cluster size and checkpoint time of your choice")
+
+    def show(chosen):
+        mtbf = failures.mtbf_seconds(chosen["gpus"])
+        panel.best = failures.young_interval(chosen["checkpoint_s"], mtbf)
+        panel.draw(plots.checkpoint_waste(chosen["checkpoint_s"], mtbf, chosen["restart_min"] * 60, step_s=step_s,
+                                          title=f"{chosen['gpus']:,} GPUs: a failure every {mtbf / 3600:.1f} h"))
+
+    panel.redraw_on_change(show)
+    return panel
