@@ -33,7 +33,7 @@ import torch.distributed as dist
 from common import lab_parser, model_overrides, parse, reports, write_record
 from course_lib import launch
 from course_lib.model import preset
-from course_lib.runs.checkpoint import LAYOUTS, layout_name, run_with_failure, save_and_resume
+from course_lib.runs.checkpoint import DEFAULTS, LAYOUTS, layout_name, run_with_failure, save_and_resume
 from course_lib.runs.mesh import max_parameter_gap
 from course_lib.runtime.arguments import integer
 from course_lib.runtime.launch import RankError
@@ -112,6 +112,13 @@ def main(argv=None):
     args = parse(parser, argv)
     if args.world_size not in LAYOUT_FOR:
         parser.error(f"--world-size {args.world_size}: this lab has layouts for {sorted(LAYOUT_FOR)} ranks")
+    for name in LAYOUT_FOR[args.world_size]:   # each layout's dp shares, in its pipeline's micro-batches
+        layout = LAYOUTS[name]
+        split = layout["dp"] * (DEFAULTS["num_microbatches"] if layout["pp"] > 1 else 1)
+        if args.global_batch_size % split:
+            parser.error(f"--global-batch-size {args.global_batch_size} does not split over {name}: it needs a "
+                         f"multiple of {split} (dp {layout['dp']}" + (f" × {DEFAULTS['num_microbatches']} "
+                         "micro-batches)" if layout["pp"] > 1 else ")"))
     if not args.every <= args.kill_at < args.steps or not 0 <= args.kill_rank < args.world_size:
         parser.error(f"--kill-at {args.kill_at} must be a step inside {args.every}..{args.steps - 1} (after the first "
                      f"checkpoint, --every {args.every}) and --kill-rank {args.kill_rank} a rank of the {args.world_size}")

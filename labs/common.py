@@ -67,6 +67,7 @@ def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Na
         args.backend = choose_backend(args.backend, args.world_size)
         if check is not None:
             check(args)
+        check_memory(args)
     except ValueError as error:
         parser.error(str(error))
     if hasattr(args, "dtype") and args.dtype is None:   # not given: what training on that device would use
@@ -74,6 +75,33 @@ def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Na
     if args.timeout is None:   # a step of a lab takes well under a minute even at its widest suggested sizes
         args.timeout = 120.0 + 60.0 * args.steps
     return args
+
+
+def check_memory(args, available: int | None = None) -> None:
+    """The least a rank holds, against what it runs on, before any rank allocates: a typo (--hidden 65536,
+    --layers 100000, --micro-batch-size 1000000000) is a one-line error, not an out-of-memory kill minutes later.
+    The least: the whole model's fp32 weights, gradients and Adam's m and v (16 bytes a parameter, before any
+    sharding) and the activations of the rows one rank computes at once (ledger.gpt_activation_bytes, exact for
+    the course model). Gloo ranks share this machine's memory; an NCCL rank has its GPU's."""
+    from course_lib.ledger import gpt_activation_bytes
+    from course_lib.model import param_count_formula, preset
+
+    config = preset("tiny", **model_overrides(args))
+    batch = getattr(args, "micro_batch_size", None) or getattr(args, "global_batch_size", None) or 1
+    rows = batch if hasattr(args, "micro_batch_size") else max(1, batch // args.world_size)
+    per_rank = 16 * param_count_formula(config) + gpt_activation_bytes(config, rows, args.seq_len)["total"]
+    if args.backend == "nccl":
+        if not torch.cuda.is_available():    # (only where device_count is pretended: the labs' tests)
+            return
+        need, have, where = per_rank, torch.cuda.get_device_properties(0).total_memory, "each GPU has"
+    else:
+        need, where = local_ranks(args.world_size) * per_rank, "this machine has"
+        have = available or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"this run needs at least {need / 2**30:,.1f} GiB ({local_ranks(args.world_size)} ranks: "
+                         f"{16 * param_count_formula(config) / 2**30:,.2f} GiB of model state each, before any "
+                         f"sharding, and {rows:,} rows of activations), and {where} {have / 2**30:,.1f} GiB: use a "
+                         "smaller --hidden, --layers, batch or --seq-len")
 
 
 def local_ranks(world_size: int) -> int:

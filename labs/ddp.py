@@ -92,7 +92,8 @@ def main(argv=None):
     parser = lab_parser(__doc__, lr=1e-3, min_steps=2)   # the first step (warm-up) is left out of the timings
     parser.add_argument("--micro-batch-size", type=integer(1), default=4)
     parser.add_argument("--accumulation", type=integer(1), default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--bucket-mb", type=real(above=0), default=1.0, help="bucket size of ours and torch's, MiB")
+    parser.add_argument("--bucket-mb", type=real(at_least=1 / 1024, below=2**20), default=1.0,
+                        help="bucket size of ours and torch's, MiB (1 KiB to 1 TiB)")
     args = parse(parser, argv)
     overrides = model_overrides(args)
     results = launch(compare_implementations, args.world_size, backend=args.backend, timeout=args.timeout, overrides=overrides,

@@ -66,8 +66,8 @@ def check_arguments(args) -> None:
 def main(argv=None):
     parser = lab_parser(__doc__, world_size=4, steps=3)
     parser.add_argument("--num-microbatches", type=integer(1), nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--op-ms", type=finite_number(above=0), default=40.0,
-                        help="controlled cost of each forward and backward, ms")
+    parser.add_argument("--op-ms", type=finite_number(above=0, below=10_000), default=40.0,
+                        help="controlled cost of each forward and backward, ms (under 10 s)")
     parser.add_argument("--global-batch-size", type=integer(1), help="rows per step (default: 2 × the largest micro-batch count)")
     parser.add_argument("--real", action="store_true", help="also run each step with real compute (its time)")
     parser.set_defaults(seq_len=8)

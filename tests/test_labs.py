@@ -110,7 +110,7 @@ BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
     ("training_step", "--out /etc/passwd", "argument --out: /etc/passwd is a file, not a folder"),
     ("training_step", "--out /proc/no/such/folder", "argument --out: cannot write into /proc/no/such/folder"),
     ("ddp", "--steps 1", "argument --steps: 1 is below 2: it must be at least 2"),
-    ("ddp", "--bucket-mb 0", "argument --bucket-mb: 0 must be more than 0"),
+    ("ddp", "--bucket-mb 0", "argument --bucket-mb: 0 must be at least 0.000976562"),
     ("zero", "--micro-batch-size 0", "argument --micro-batch-size: 0 is below 1: it must be at least 1"),
     ("tensor_parallel", "--global-batch-size 0", "argument --global-batch-size: 0 is below 1: it must be at least 1"),
     ("tensor_parallel", "--world-size 3", "(num_heads) cannot split over TP=3"),
@@ -121,6 +121,14 @@ BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
     ("parallel_3d", "--tp 0", "argument --tp: 0 is below 1: it must be at least 1"),
     ("parallel_3d", "--num-microbatches 0", "argument --num-microbatches: 0 is below 1: it must be at least 1"),
     ("parallel_3d", "--tp 1 --pp 8 --layers 4", "pp 8 stages > 4 layers"),
+    # values each rule let through, that then failed inside the ranks (or ran silent for minutes)
+    ("ddp", "--hidden 65536", "this run needs at least"),
+    ("ddp", "--layers 100000", "this run needs at least"),
+    ("zero", "--micro-batch-size 1000000000", "this run needs at least"),
+    ("ddp", "--bucket-mb 1e-300", "argument --bucket-mb: 1e-300 must be at least"),
+    ("ddp", "--bucket-mb 1e300", "argument --bucket-mb: 1e+300 must be less than"),
+    ("pipeline_parallel", "--op-ms 1e300", "argument --op-ms: 1e+300 must be less than"),
+    ("checkpoint", "--global-batch-size 3 --world-size 2", "--global-batch-size 3 does not split over dp2 zero1"),
 ]
 
 

@@ -144,6 +144,19 @@ def test_a_hung_rank_is_stopped_by_the_timeout_with_where_it_was():
         assert "in all_reduce" in info.value.stacks[r] and "skip_collective_on_one" in info.value.stacks[r]
 
 
+def test_a_paused_rank_is_called_paused_and_ended_with_the_others():
+    """A rank stopped by SIGSTOP cannot print its stack: the timeout says it was paused and how to resume one,
+    and the paused process is ended like the others."""
+    def pause_one(rank, world_size):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.barrier()
+
+    with pytest.raises(RankTimeout) as info:
+        launch(pause_one, 2, timeout=1.5)
+    assert "(stopped: its process" in info.value.stacks[1] and "kill -CONT" in info.value.stacks[1]
+
+
 def test_launch_works_again_after_failures():
     with pytest.raises(RankError):
         launch(lambda rank, world_size: 1 / 0, 2)

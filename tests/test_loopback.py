@@ -61,3 +61,21 @@ def test_the_store_and_the_ranks_listen_on_loopback_only_also_after_the_group_is
         assert world.status()["pids"] == pids
         assert_loopback_only(world)
     assert gone(pids), "rank processes left behind"
+
+
+def test_every_store_key_of_a_world_starts_with_a_random_word_of_its_own():
+    """The store has no authentication, so its keys are not guessable: each world's start with 128 random bits
+    (WorkerGroup.store_key). A local process that writes the plain names ("generation0/arrived/0") touches none
+    of them, and a rebuild (a new generation) still finds its ranks."""
+    import torch.distributed as dist
+
+    from course_lib.runtime.rank_process import arrival_key
+
+    with World(2) as first, World(2) as second:
+        keys = first.group.store_key, second.group.store_key
+        assert len(keys[0]) == 32 and keys[0] != keys[1]
+        store = first.group._store
+        assert store.check([arrival_key(0, 0, keys[0])]) and not store.check(["generation0/arrived/0"])
+        intruder = dist.TCPStore("127.0.0.1", first.group.store_port, is_master=False)
+        intruder.set("generation1/arrived/0", "")                     # the next generation's plain name
+        assert first._rejoin() == [] and first.run(lambda rank, world_size: rank) == [0, 1]

@@ -47,6 +47,10 @@ def test_pull_and_push(world):
     assert [t.tolist() for t in pulled] == [[0.0, 0.25 * r, 0.5 * r] for r in range(4)]
     with pytest.raises(RankError, match="has no variable 'nope'"):
         world.pull("nope")
+    import threading
+    with pytest.raises(TypeError, match=r"^guard cannot be sent to the ranks \(cannot pickle '_thread.lock'"):
+        world.push(lr=0.5, guard=threading.Lock())              # one line, and nothing sent
+    assert world.pull("lr") == [0.25] * 4
 
 
 def test_only_some_ranks_run_a_cell(world):

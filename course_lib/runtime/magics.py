@@ -197,7 +197,10 @@ class RanksMagics(Magics):
         missing = [name for name in names if name not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%ranks push: the notebook has no variable {', '.join(missing)}")
-        self._need_world().push(**{name: self.shell.user_ns[name] for name in names})
+        try:
+            self._need_world().push(**{name: self.shell.user_ns[name] for name in names})
+        except TypeError as error:
+            raise UsageError(f"%ranks push: {error}") from None
         print(f"sent {', '.join(names)} to all {self.world.world_size} ranks")
 
     def _run_cell(self, line: str, cell: str):

@@ -44,6 +44,16 @@ def main_module_hidden():
         sys.modules["__main__"] = main
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is paused (SIGSTOP, Ctrl-Z: state T or t in /proc/PID/stat); False where that is not
+    there. A paused process runs no signal handler, so it cannot say where it was."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
 def describe_exit(code) -> str:
     if code is not None and code < 0:
         name = signal.Signals(-code).name

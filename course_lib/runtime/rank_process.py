@@ -50,7 +50,7 @@ def destroy_group() -> None:
 
 
 def worker_main(rank, world_size, backend, store_port, threads, exit_after_error, conn, out_w, err_w,
-                notebook_alive, generation=0):
+                notebook_alive, generation=0, store_key=""):
     # Our own process group: Jupyter's stop button signals the kernel's group, not ours; and whatever this rank
     # starts (a subprocess, a `sleep 300`) joins it, so the notebook ends them all with one killpg.
     os.setpgrp()
@@ -72,7 +72,7 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        init_group(rank, world_size, backend, store_port, generation)
+        init_group(rank, world_size, backend, store_port, generation, store_key)
         dist.barrier()  # NCCL connects lazily, at the first collective: only this proves that the group works
     except Exception as exc:  # report a failed start like any other error
         _reply_error(conn, exc)
@@ -102,20 +102,23 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
     destroy_group()
 
 
-def arrival_key(rank: int, generation: int = 0) -> str:
+def arrival_key(rank: int, generation: int = 0, store_key: str = "") -> str:
     """The store key a rank sets as it reaches the rendezvous, before it joins the group."""
-    return f"generation{generation}/arrived/{rank}"
+    return f"{store_key}/generation{generation}/arrived/{rank}"
 
 
-def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0) -> None:
-    """Join the process group through the notebook's store. A rebuilt group (after a failure left the old
-    one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
+def init_group(rank: int, world_size: int, backend: str, store_port: int, generation: int = 0,
+               store_key: str = "") -> None:
+    """Join the process group through the notebook's store. Every key starts with the world's ``store_key``, a
+    random word only the notebook and its ranks know: the store listens on loopback without authentication,
+    and another local process cannot set or delete keys it cannot name. A rebuilt group (after a failure left
+    the old one broken) uses a fresh ``generation`` so its keys do not mix with the old group's."""
     store = dist.TCPStore(LOOPBACK, store_port, is_master=False)
     # Set before joining: if the group never forms, the notebook can tell the ranks that never reached the
     # rendezvous from those that came and waited for them.
-    store.set(arrival_key(rank, generation), "")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"generation{generation}", store), rank=rank,
-                            world_size=world_size, timeout=GROUP_TIMEOUT)
+    store.set(arrival_key(rank, generation, store_key), "")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{store_key}/generation{generation}", store),
+                            rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
 def _send_uninterrupted(conn, data: bytes) -> None:

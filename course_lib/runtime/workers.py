@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import sys
 import time
@@ -19,7 +20,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from .processes import describe_exit, kill_group, loopback_store, main_module_hidden, sigint_ignored
+from .processes import describe_exit, is_stopped, kill_group, loopback_store, main_module_hidden, sigint_ignored
 from .rank_process import arrival_key, worker_main
 from .tracebacks import (
     PLUMBING_FILES,
@@ -117,6 +118,7 @@ class WorkerGroup:
         # The rendezvous: this process hosts the store, on a free port the OS picks, on loopback only.
         self._store = loopback_store()
         self.store_port = self._store.port
+        self.store_key = secrets.token_hex(16)   # every key of this world starts with it (init_group)
         cpus = len(os.sched_getaffinity(0))
         self._threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
         self._exit_after_error = exit_after_error
@@ -152,7 +154,7 @@ class WorkerGroup:
         err_r, err_w = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=worker_main, name=f"course_lib rank {rank}", daemon=True, args=(
             rank, self.world_size, self.backend, self.store_port, self._threads, self._exit_after_error, child_conn,
-            out_w, err_w, self._notebook_alive, generation))
+            out_w, err_w, self._notebook_alive, generation, self.store_key))
         with main_module_hidden():
             proc.start()
         for end in (child_conn, out_w, err_w):  # the worker holds these now
@@ -212,7 +214,7 @@ class WorkerGroup:
 
     def _arrived(self) -> list[int]:
         """The ranks that reached the rendezvous (they set their key in the store before joining the group)."""
-        return [r for r in range(self.world_size) if self._store.check([arrival_key(r)])]
+        return [r for r in range(self.world_size) if self._store.check([arrival_key(r, 0, self.store_key)])]
 
     def __enter__(self):
         return self
@@ -332,7 +334,12 @@ class WorkerGroup:
             self._flush_partial_lines()
         finally:
             self.on_output = relay
-        return {r: name_cells(user_frames("".join(lines))) for r, lines in captured.items()}
+        stacks = {r: name_cells(user_frames("".join(lines))) for r, lines in captured.items()}
+        for r in ranks:
+            if is_stopped(self.procs[r].pid):
+                stacks[r] = (f"(stopped: its process {self.procs[r].pid} was paused, by SIGSTOP or Ctrl-Z, so it could "
+                             f"not say where it was; kill -CONT {self.procs[r].pid} resumes it)")
+        return stacks
 
     def _pump_output(self):
         """Move whatever the ranks printed into ``on_output``, one complete line at a time."""

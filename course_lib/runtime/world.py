@@ -32,6 +32,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
@@ -142,7 +143,15 @@ class World:
         return self.run(_get_variable, ranks=ranks, name=name)
 
     def push(self, *, ranks: list[int] | None = None, **values) -> None:
-        """Set variables on every rank (or on ``ranks``): ``world.push(lr=0.1, batch=x)``."""
+        """Set variables on every rank (or on ``ranks``): ``world.push(lr=0.1, batch=x)``. A value that cannot
+        travel (a lock, an open file) is a TypeError naming it, before anything is sent."""
+        for name, value in values.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as error:   # pickle raises TypeError, PicklingError, AttributeError, ...
+                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise TypeError(f"{name} cannot be sent to the ranks ({reason}): send what it holds instead, or "
+                                "make it on the ranks in a %%ranks cell") from None
         self.run(_set_variables, ranks=ranks, values=values)
 
     def status(self) -> dict:
@@ -263,7 +272,8 @@ class World:
         self.generation += 1
         self.group.restart_ranks(list(restart), self.generation)
         self.group.submit(_rejoin_group, dict(backend=self.backend, store_port=self.group.store_port,
-                                              generation=self.generation), [r for r in everyone if r not in restart])
+                                              generation=self.generation, store_key=self.group.store_key),
+                          [r for r in everyone if r not in restart])
         rejoined = self.group.collect(everyone, timeout=FORM_TIMEOUT, stop_at_error=False)
         return [r for r in everyone if rejoined.get(r, ("error",))[0] != "ok"]
 
@@ -364,12 +374,12 @@ def _leave_group(rank, world_size):
     destroy_group()
 
 
-def _rejoin_group(rank, world_size, backend, store_port, generation):
+def _rejoin_group(rank, world_size, backend, store_port, generation, store_key):
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:
             pass  # the old group may be half broken; we only need it gone
-    init_group(rank, world_size, backend, store_port, generation)
+    init_group(rank, world_size, backend, store_port, generation, store_key)
     dist.barrier()  # prove the new group works before saying so
     _NAMESPACE["dist"] = dist
