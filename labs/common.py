@@ -77,11 +77,11 @@ def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Na
     return args
 
 
-def check_memory(args, available: int | None = None) -> None:
+def check_memory(args) -> None:
     """The least a rank holds, against what it runs on, before any rank allocates: a typo (--hidden 65536,
     --layers 100000, --micro-batch-size 1000000000) is a one-line error, not an out-of-memory kill minutes later.
-    The least: the whole model's fp32 weights, gradients and Adam's m and v (16 bytes a parameter, before any
-    sharding) and the activations of the rows one rank computes at once (ledger.gpt_activation_bytes, exact for
+    The least: the whole model's fp32 weights (every rank builds it whole before any sharding, 4 bytes a
+    parameter) and the activations of the rows one rank computes at once (ledger.gpt_activation_bytes, exact for
     the course model). Gloo ranks share this machine's memory; an NCCL rank has its GPU's."""
     from course_lib.ledger import gpt_activation_bytes
     from course_lib.model import param_count_formula, preset
@@ -89,19 +89,19 @@ def check_memory(args, available: int | None = None) -> None:
     config = preset("tiny", **model_overrides(args))
     batch = getattr(args, "micro_batch_size", None) or getattr(args, "global_batch_size", None) or 1
     rows = batch if hasattr(args, "micro_batch_size") else max(1, batch // args.world_size)
-    per_rank = 16 * param_count_formula(config) + gpt_activation_bytes(config, rows, args.seq_len)["total"]
+    weights, activations = 4 * param_count_formula(config), gpt_activation_bytes(config, rows, args.seq_len)["total"]
     if args.backend == "nccl":
         if not torch.cuda.is_available():    # (only where device_count is pretended: the labs' tests)
             return
-        need, have, where = per_rank, torch.cuda.get_device_properties(0).total_memory, "each GPU has"
+        ranks, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "each GPU has"
     else:
-        need, where = local_ranks(args.world_size) * per_rank, "this machine has"
-        have = available or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ValueError(f"this run needs at least {need / 2**30:,.1f} GiB ({local_ranks(args.world_size)} ranks: "
-                         f"{16 * param_count_formula(config) / 2**30:,.2f} GiB of model state each, before any "
-                         f"sharding, and {rows:,} rows of activations), and {where} {have / 2**30:,.1f} GiB: use a "
-                         "smaller --hidden, --layers, batch or --seq-len")
+        ranks, where = local_ranks(args.world_size), "this machine has"
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if ranks * (weights + activations) > have:
+        raise ValueError(f"this run needs at least {ranks * (weights + activations) / 2**30:,.1f} GiB ({ranks} "
+                         f"rank{'s' * (ranks > 1)} × {weights / 2**30:,.2f} GiB of fp32 weights + "
+                         f"{activations / 2**30:,.2f} GiB of activations for {rows:,} rows), and {where} "
+                         f"{have / 2**30:,.1f} GiB: use a smaller --hidden, --layers, batch or --seq-len")
 
 
 def local_ranks(world_size: int) -> int:

@@ -326,3 +326,16 @@ def test_killing_a_kernel_with_busy_ranks_leaves_none_of_its_processes(tmp_path,
     finally:
         kernel.kill()
         kill_session(kernel.pid)
+
+
+def test_a_paused_rank_is_restarted_alone_and_the_others_keep_their_variables():
+    """Rank 1 pauses itself (SIGSTOP) while rank 0 waits for it in a barrier. A paused process answers nothing,
+    so it is ended at once, its peer's barrier fails fast, and only the paused rank starts again."""
+    with World(2) as w:
+        w.exec("kept = rank * 10")
+        out = w.exec("import os, signal, torch.distributed as dist\nif rank == 1:\n"
+                     "    os.kill(os.getpid(), signal.SIGSTOP)\ndist.barrier()", timeout=3)
+        assert out.world == "recovered" and "ranks [1] died and were started again" in out.note, out.note
+        assert "(stopped: its process" in out.timeout.stacks[1]
+        assert w.run(lambda rank, world_size: rank) == [0, 1]
+        assert w.pull("kept", ranks=[0]) == [0]

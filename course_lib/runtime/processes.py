@@ -48,7 +48,8 @@ def is_stopped(pid: int) -> bool:
     """Whether ``pid`` is paused (SIGSTOP, Ctrl-Z: state T or t in /proc/PID/stat); False where that is not
     there. A paused process runs no signal handler, so it cannot say where it was."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as status:
+            stat = status.read()
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] in "Tt"

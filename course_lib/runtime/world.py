@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import check_number
+from .processes import is_stopped, kill_group
 from .rank_process import destroy_group, init_group
 from .tracebacks import PLUMBING_FILES
 from .workers import DEFAULT_TIMEOUT, FORM_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
@@ -221,6 +222,13 @@ class World:
             wait_for_stuck(seconds)
 
         note, left_group = "", False
+        # A paused rank (SIGSTOP, Ctrl-Z) answers no signal and never will: end it at once, like a rank that died.
+        # Its peers waiting for it in a collective then fail fast (its sockets close) and keep their variables.
+        paused = [r for r in self._missing(ranks, replies) if is_stopped(self.group.procs[r].pid)]
+        for r in paused:
+            kill_group(self.group.procs[r].pid)
+        if paused:
+            wait_for_stuck(GRACE)
         if interrupt_first and self._missing(ranks, replies):
             interrupt_stuck(GRACE)   # a Python loop answers at once; a rank inside a collective does not
         stuck, gone_from_group = self._missing(ranks, replies), []
