@@ -57,7 +57,7 @@ class PendingSave:
     checkpoint next waits for rank 0 first (a barrier), as after any collective write."""
 
     def __init__(self, future, staging: str, path: str, commits: bool):
-        self._future, self._staging, self._path = future, staging, path
+        self._future, self._staging, self.path = future, staging, path
         self._lock, self._committed = threading.Lock(), not commits
         _UNFINISHED.add(self)
         future.add_done_callback(self._commit_when_done)
@@ -65,7 +65,7 @@ class PendingSave:
     def _commit_when_done(self, future) -> None:
         with self._lock:
             if not self._committed and future.exception() is None:
-                commit(self._staging, self._path)
+                commit(self._staging, self.path)
                 self._committed = True
 
     def done(self) -> bool:
@@ -86,7 +86,7 @@ def finish_saves() -> list[str]:
     while _UNFINISHED:
         pending = _UNFINISHED.pop()
         pending.result()
-        paths.append(pending._path)
+        paths.append(pending.path)
     return paths
 
 

@@ -95,17 +95,15 @@ class Plan:
     def _repr_html_(self) -> str:
         """In a notebook: the verdict, the five answers as a table, the recipes side by side, the assumptions once
         (the text of ``str(plan)`` wraps mid-word at a normal window width)."""
-        left = "text-align:left; vertical-align:top"
+        from .presentation.tables import table_html  # only a notebook draws a plan as HTML
+
         answers = [a.replace(f"; assumed: {self.assumed}", "") if self.assumed else a for a in self.answers]
-        rows = "".join(f"<tr><td style='{left}'>{i}. {html.escape(q)}</td><td style='{left}'>{html.escape(a)}</td></tr>"
-                       for i, (q, a) in enumerate(zip(QUESTIONS, answers), 1))
-        head = html.escape(str(self).splitlines()[0])
-        out = [f"<p><b>{head}</b></p><table><tr><th style='{left}'>question</th><th style='{left}'>answer</th></tr>"
-               f"{rows}</table>"]
+        out = [f"<p><b>{html.escape(str(self).splitlines()[0])}</b></p>",
+               table_html(["question", "answer"], [[f"{i}. {q}", a] for i, (q, a) in
+                                                   enumerate(zip(QUESTIONS, answers), 1)])]
         if self.candidates:
             fastest = max((c.time.tokens_per_s for c in self.candidates if c.fits), default=None)
-            cells = ["recipe", "layout", "busiest GPU", "state", "activations", "tokens/s", "MFU", "against the fastest"]
-            table = "<tr>" + "".join(f"<th style='{left}'>{c}</th>" for c in cells) + "</tr>"
+            rows = []
             for c in self.candidates:
                 m, zero = c.mesh, "no dp" if c.mesh.dp == 1 else stage_name(c.zero_stage)
                 chunks = f", v = {c.num_chunks}" if c.num_chunks > 1 else ""
@@ -116,12 +114,12 @@ class Plan:
                 else:
                     ratio = c.time.tokens_per_s / fastest
                     against = f"{ratio:.2g}×" + (" (a tie: within the model's error)" if ratio > 1 - TIE_SHARE else "")
-                values = [c.recipe, f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {c.num_microbatches}",
-                          f"{size_text(c.memory['total'])} of {size_text(c.gpu_bytes)}", size_text(c.memory["state"]),
-                          size_text(c.memory["activations"]), f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}",
-                          against]
-                table += "<tr>" + "".join(f"<td style='{left}'>{html.escape(v)}</td>" for v in values) + "</tr>"
-            out.append(f"<table>{table}</table>")
+                rows.append([c.recipe, f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {c.num_microbatches}",
+                             f"{size_text(c.memory['total'])} of {size_text(c.gpu_bytes)}",
+                             size_text(c.memory["state"]), size_text(c.memory["activations"]),
+                             f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}", against])
+            out.append(table_html(["recipe", "layout", "busiest GPU", "state", "activations", "tokens/s", "MFU",
+                                   "against the fastest"], rows))
         if self.assumed:
             out.append(f"<p><i>assumed: {html.escape(self.assumed)}</i></p>")
         return "".join(out)
