@@ -25,8 +25,8 @@ ZeRO splits the same three parts over the N data-parallel ranks, one more part p
     stage 3              per rank = (w + g + o)·P/N           ... and weights
 
 A shard holds ceil(P/N) parameters (the largest shard, when N does not divide P).
-DeepSpeed's own estimator counts differently (deepspeed_estimate): its fp32 gradient partition sits with
-the optimizer (16 bytes) and its 16-bit gradients stay whole in stage 2, so it prints 4·P + 16·P/N for
+DeepSpeed's own estimator counts differently (deepspeed_estimate): it adds an fp32 gradient partition to
+the sharded state (18 bytes: 16-bit and fp32 gradients, fp32 master, m, v), so it prints 2·P + 18·P/N for
 stage 2 where the formula above gives 2·P + 14·P/N.
 
 2. Activations: the bytes saved for backward
@@ -170,8 +170,9 @@ def zero_state_bytes(num_params, zero_stage: int, world_size: int, weight_bytes:
 def deepspeed_estimate(num_params, stage: int, world_size: int, largest_layer_params: int = 0) -> int:
     """Bytes per GPU that DeepSpeed's estimators print (no offload), for comparison with zero_state_bytes.
 
-    stage 2, estimate_zero2_model_states_mem_needs:  4·P + 16·P/N   (16-bit weights and grads whole;
-             fp32 master, m, v and an fp32 gradient partition: 16 bytes, sharded)
+    stage 2, estimate_zero2_model_states_mem_needs:  2·P + 18·P/N   (16-bit weights whole; 16-bit and fp32
+             gradients, fp32 master, m and v sharded: 18 bytes, its own comment's sum. DeepSpeed's #5099, 2024,
+             deepspeed/runtime/zero/stage_1_and_2.py; before it the estimator printed 4·P + 16·P/N)
     stage 3, estimate_zero3_model_states_mem_needs:  18·P/N + 4·largest_layer   (16-bit weights and the 16
              sharded bytes; one layer's 16-bit weights and grads gathered whole)
     DeepSpeed prints these divided by 2**30 but labelled "GB": they are GiB.
@@ -181,7 +182,7 @@ def deepspeed_estimate(num_params, stage: int, world_size: int, largest_layer_pa
     largest_layer_params = _count("largest_layer_params", largest_layer_params)
     # Float division truncated to an integer, as DeepSpeed computes it.
     if stage == 2:
-        return 4 * num_params + int(16 * num_params / world_size)
+        return 2 * num_params + int(18 * num_params / world_size)
     if stage == 3:
         return 4 * largest_layer_params + int(18 * num_params / world_size)
     raise ValueError(f"stage={stage!r}: DeepSpeed's estimators cover stage 2 (also used for stage 1) and stage 3")

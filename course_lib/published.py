@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,12 +251,16 @@ def torchtitan_runs() -> list[PublishedRun]:
     return runs
 
 
+def regime_of(gpu: str, hidden: int, seq_len: int, recompute: str) -> str:
+    """The regime of a run, for the error by regime: GPU, model size, sequence length, recomputation."""
+    size = "≤ 1B" if hidden <= 1536 else "> 1B"
+    tokens = "s ≥ 16k" if seq_len >= 16384 else "s < 16k"
+    return f"{gpu.split()[0]}, {size}, {tokens}, {'recompute' if recompute != 'none' else 'no recompute'}"
+
+
 def regime(run: PublishedRun) -> str:
-    """The regime a run belongs to, for the error by regime: GPU, model size, sequence length, recomputation."""
-    size = "≤ 1B" if run.config.hidden <= 1536 else "> 1B"
-    tokens = "s ≥ 16k" if run.layout["seq_len"] >= 16384 else "s < 16k"
-    recompute = "recompute" if run.layout.get("recompute", "none") != "none" else "no recompute"
-    return f"{run.gpu.split()[0]}, {size}, {tokens}, {recompute}"
+    """regime_of a published run."""
+    return regime_of(run.gpu, run.config.hidden, run.layout["seq_len"], run.layout.get("recompute", "none"))
 
 
 def error_by_regime(rows: list[dict], runs: list[PublishedRun]) -> dict[str, dict]:
@@ -289,3 +294,11 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
                      "points": 100 * (ours - run.reported), "ratio": ours / run.reported, "step": step,
                      "source": run.source, "assumed": run.assumed})
     return rows
+
+
+@functools.cache
+def held_out_errors() -> dict[str, dict]:
+    """error_by_regime over the runs the cost model was not shaped beside (llm-foundry's and torchtitan's): the
+    error band a prediction for a new job carries (course_lib.job_report)."""
+    runs = llm_foundry_runs() + torchtitan_runs()
+    return error_by_regime(compare_published(runs), runs)

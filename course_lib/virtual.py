@@ -125,6 +125,9 @@ def check_job(job: Job) -> Job:
     if job.config.num_experts and job.recompute == "full":
         raise ValueError("recompute='full' with a mixture of experts: not run here, the course has no activation "
                          "formula for its MoE layer to check a rerun's bytes against")
+    if job.zero_stage is None and job.data_parallel:
+        raise ValueError("zero_stage=None: the virtual cluster's step runs ZeroDataParallel (its optimizer "
+                         "included); give zero_stage 0 for plain data parallelism")
     if job.dtype == "fp64":
         raise ValueError("dtype='fp64': the virtual cluster runs the dtypes of a GPU run (bf16, fp16, fp32)")
     return job

@@ -1,4 +1,4 @@
-"""exercises.check_layout_at_scale (notebook 09) given the typical wrong answers: each gets its own hint, ✗ and
+"""exercises.check_layout_at_scale and check_own_job (notebook 09) given the typical wrong answers: each gets its own hint, ✗ and
 False (tests/test_exercises.py runs it on its reference answer and on the notebook's unfinished cell). It judges
 an answer with the planner's own models, so the planner's best layout is the checker's."""
 
@@ -96,3 +96,24 @@ def test_the_checker_judges_with_the_planners_numbers():
     assert chosen.memory == memory and chosen.time == time
     assert time.mfu >= exercises_scale.TARGET_MFU
     assert exercises_scale.judge(answer)[3].mfu >= exercises_scale.TARGET_MFU
+
+
+# ---- 09 · check_own_job: a torchtitan file that does not fit -------------------------------------------
+
+@pytest.mark.parametrize("change, words", [
+    ({}, ["✗ still does not fit: stage 0's GPUs need 217.5 GiB", "activations 192.5 GiB"]),
+    ({"local_batch_size = 4": "local_batch_size = 1"}, ["✗ 65,536 tokens a step, fewer than the 262,144"]),
+    ({'flavor = "8B"': 'flavor = "70B"'}, ["✗ keep the model (llama3 8B)"]),
+    ({"seq_len = 8192": "seq_len = 8192\nglobal_batch_size = 30"}, ["✗ the reader refuses it:", "global_batch_size = 30"]),
+], ids=["unchanged", "fewer-tokens", "other-model", "refused"])
+def test_check_own_job_wrong(capsys, change, words):
+    text = exercises_scale.OWN_JOB
+    for old, new in change.items():
+        text = text.replace(old, new)
+    verdict(capsys, exercises.check_own_job(lambda: text), False, *words)
+
+
+def test_check_own_job_takes_a_string(capsys):
+    def my_config():
+        return {"local_batch_size": 1}
+    verdict(capsys, exercises.check_own_job(my_config), False, "✗ my_config() returned a dict; return the TOML file")

@@ -74,9 +74,9 @@ def test_zero_state_bytes_rejects_nonsense(kwargs, message):
 
 
 def test_deepspeed_estimate():
-    assert deepspeed_estimate(800, 2, 8) == 4 * 800 + 16 * 100
+    assert deepspeed_estimate(800, 2, 8) == 2 * 800 + 18 * 100
     assert deepspeed_estimate(800, 3, 8, largest_layer_params=50) == 18 * 100 + 4 * 50
-    # DeepSpeed's stage 2 is more than the formula's: its 16-bit gradients are not sharded, fp32 ones are.
+    # DeepSpeed's stage 2 is more than the formula's: it shards an fp32 gradient partition beside the state.
     assert deepspeed_estimate(7.1e9, 2, 8) > zero_state_bytes(7.1e9, 2, 8)["total"]
     with pytest.raises(ValueError, match="stage=1"):
         deepspeed_estimate(800, 1, 8)

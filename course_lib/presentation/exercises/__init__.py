@@ -16,7 +16,9 @@ from .experts import check_expert_exchange as _check_expert_exchange
 from .layout import check_3d_layout as _check_3d_layout
 from .memory_ledger import check_mlp_saved_bytes as check_mlp_saved_bytes
 from .pipeline import check_one_f_one_b as check_one_f_one_b
+from .scale import OWN_JOB as OWN_JOB  # notebook 09's torchtitan file that does not fit
 from .scale import check_layout_at_scale as _check_layout_at_scale
+from .scale import check_own_job as _check_own_job
 from .solutions import solution as solution  # exercises.solution(name): a learner who asks sees an answer
 from .tensor_parallel import check_copy_to_tp_region as check_copy_to_tp_region
 from .training_step import check_mean_over_ranks as check_mean_over_ranks
@@ -28,4 +30,5 @@ check_3d_layout = exercise(_check_3d_layout)
 check_lse_merge = exercise(_check_lse_merge)
 check_expert_exchange = exercise(_check_expert_exchange)
 check_layout_at_scale = exercise(_check_layout_at_scale)
+check_own_job = exercise(_check_own_job)
 check_global_norm = exercise(_check_global_norm)

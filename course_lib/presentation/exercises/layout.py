@@ -24,15 +24,19 @@ WORKLOAD = Workload(seq_len=4096, global_batch_size=64, recompute="selective", s
 KEYS = ("dp", "tp", "pp", "zero_stage", "num_microbatches")
 
 
-def read_answer(layout, keys) -> dict | None:
-    """The learner's ``layout()``, if it returns a dict; otherwise say what it did instead and return None."""
+def read_answer(layout, keys, wanted: str | None = None):
+    """The learner's ``layout()``, if it returns a dict (``wanted``: "a string", when the answer is a file's text);
+    otherwise say what it did instead and return None."""
     try:
         answer = layout()
     except NotImplementedError:
         print(NOT_DONE)
         return None
-    if not isinstance(answer, dict):
-        print(f"✗ layout() returned a {type(answer).__name__}; return a dict with the keys {', '.join(keys)}")
+    if not isinstance(answer, str if wanted else dict):
+        name = getattr(layout, "__name__", "")
+        name = name if name.isidentifier() else "layout" if wanted is None else "your function"   # not "<lambda>"
+        print(f"✗ {name}() returned a {type(answer).__name__}; return "
+              + (wanted or f"a dict with the keys {', '.join(keys)}"))
         return None
     return answer
 

@@ -1,5 +1,6 @@
-"""The checker of notebook 09's exercise (a layout at scale), kept apart so that exercises.py stays short to
-read; exercises.py wraps and re-exports it, so notebooks call ``exercises.check_layout_at_scale`` like the others.
+"""The checkers of notebook 09's exercises (a layout at scale; a torchtitan file that does not fit), kept apart so
+that exercises.py stays short to read; exercises.py wraps and re-exports them, so notebooks call
+``exercises.check_layout_at_scale`` and ``exercises.check_own_job`` like the others.
 
 An answer is judged by the course's own models, with the planner's assumptions (recipes.cost_layout, as
 compare_recipes costs each layout): recipes.memory_per_gpu for what its busiest GPU holds (state + activations +
@@ -18,8 +19,13 @@ computing longer than the average one (uneven stages; the last stage also runs t
 rank in the course's apply_tp). The hint names the largest.
 """
 
+import tempfile
+from pathlib import Path
+
 from ...cost import StepTime
+from ...frameworks import read_config
 from ...hardware import find_gpu
+from ...job_report import job_report
 from ...ledger import RECOMPUTE, ZERO_STAGES
 from ...mesh import Mesh
 from ...model import preset
@@ -163,3 +169,59 @@ def check_layout_at_scale(layout) -> bool:
           + f": {size_text(memory['total'])} of {size_text(gpu_bytes)} on the busiest GPU, MFU {time.mfu:.1%} "
           f"(≥ {TARGET_MFU:.0%}), {time.tokens_per_s:,.0f} tokens/s, a step of {seconds_text(time.total_s)}")
     return True
+
+
+# The torchtitan file of the second exercise: Llama 3 8B on one node of 8 H100, 32 sequences of 8,192 tokens a
+# step, without recomputation: its busiest GPU needs 217.5 GiB.
+OWN_JOB = """[model]
+name = "llama3"
+flavor = "8B"
+
+[training]
+local_batch_size = 4
+seq_len = 8192
+
+[activation_checkpoint]
+mode = "none"
+"""
+OWN_JOB_GPUS, OWN_JOB_TOKENS = 8, 32 * 8192
+
+
+def check_own_job(edited) -> bool:
+    """09: ``edited()`` returns OWN_JOB's torchtitan TOML changed so that the job fits 8 H100 of 80 GiB: the same
+    model and sequence length, at least as many tokens a step (32 sequences of 8,192). Judged by the report
+    (job_report: the busiest GPU run virtually, with the reserve); a miss names the part that overflows, and a
+    file the reader refuses gets its one-line error."""
+    text = read_answer(edited, (), wanted='the TOML file as one string (a """...""" block)')
+    if text is None:
+        return False
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "train.toml"
+        path.write_text(text)
+        try:
+            read = read_config(path, num_gpus=OWN_JOB_GPUS)
+        except ValueError as error:
+            print(f"✗ the reader refuses it: {error}")
+            return False
+    job = read.job
+    if (read.model_name, job.tokens_per_sequence) != ("llama3 8B", 8192):
+        print("✗ keep the model (llama3 8B) and seq_len = 8192: the exercise is to fit this job, not a smaller one")
+        return False
+    tokens = job.global_batch_size * job.tokens_per_sequence
+    if tokens < OWN_JOB_TOKENS:
+        print(f"✗ {tokens:,} tokens a step, fewer than the {OWN_JOB_TOKENS:,} asked: keep 32 sequences a step "
+              "(gradient accumulation, [training] global_batch_size, keeps the batch when local_batch_size shrinks)")
+        return False
+    report = job_report(read)
+    memory = report["memory"]
+    if not memory["fits"]:
+        print(f"✗ still does not fit: {report['bottleneck'].removeprefix('it does not fit: ')} (state {size_text(memory['state'])}, activations "
+              f"{size_text(memory['activations'])}, reserve {size_text(memory['reserve'])}). Fewer sequences per "
+              "pass (local_batch_size, with global_batch_size kept), recomputation ([activation_checkpoint] mode) "
+              "or TP (which splits each layer's activations too) shrink the activations")
+        return False
+    step = report["step"]
+    print(f"✓ {report['mesh']}, {size_text(memory['total'])} of {size_text(memory['card'])} on the busiest GPU; "
+          f"{step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.0%}")
+    return True
+

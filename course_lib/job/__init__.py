@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
-from .mesh import Mesh
-from .model import ModelConfig
-from .schedules import SCHEDULES, schedule_actions
-from .zero_bytes import check_resharding
+from ..ledger import CONVENTIONS, RECOMPUTE, ZERO_STAGES
+from ..mesh import Mesh
+from ..model import ModelConfig
+from ..schedules import SCHEDULES, schedule_actions
+from ..zero_bytes import check_resharding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 LIMIT = 1 << 20     # the largest micro-batch count or size the course will lay out (a typo, not a run, beyond)
@@ -168,7 +168,7 @@ class Job:
                                                      and 0 < self.capacity_factor <= 1e3):
             found.append(f"capacity_factor={self.capacity_factor!r} must be None or a number in (0, 1000]")
         if self.gpu is not None:
-            from .hardware import find_gpu  # the catalogue, only for a costed job
+            from ..hardware import find_gpu  # the catalogue, only for a costed job
             try:
                 find_gpu(self.gpu)
             except ValueError as error:
@@ -222,3 +222,4 @@ class Job:
             found.append(f"convention={self.convention!r} keeps {CONVENTIONS[self.convention].weight_bytes}-byte "
                          f"weights, dtype={self.dtype!r} has {self.bytes_per_element}: choose a matching pair")
         return found
+

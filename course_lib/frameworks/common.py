@@ -1,0 +1,49 @@
+"""What the readers share: the one-line error, the read job, how an unknown key is named (course_lib.frameworks)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..job import Job
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be a run: one line naming the values and the rule it breaks."""
+
+
+@dataclass
+class ReadConfig:
+    framework: str                 # "torchtitan", "megatron", "deepspeed"
+    path: str
+    job: Job
+    model_name: str
+    conventions: list[str] = field(default_factory=list)    # the framework's own rules, and how the course counts them
+    not_modelled: list[str] = field(default_factory=list)   # keys read and set, that the report does not count
+    unknown: list[str] = field(default_factory=list)        # keys no reader knows, with the nearest known one
+    spell: Callable[[Job], dict[str, str]] | None = None   # the framework's: job -> {key: value as in its file}
+    dp_overlap: float = 0.5        # the share of data-parallel traffic the framework hides behind compute
+    grad_reduce_bytes: int | None = None   # bytes per gradient element the framework reduces in, where it differs
+    recipes_convention: str | None = None  # the state convention the framework's other layouts run, where not this one's
+
+    def changes(self, other: Job) -> list[str]:
+        """The lines of this framework's file that turn this job into ``other`` (a layout the planner found): each
+        key with its new value, or "add"/"remove" for a switch ("(on)", "(off)")."""
+        ours, theirs = self.spell(self.job), self.spell(other)
+        words = {"(on)": "add {key}", "(off)": "remove {key}"}
+        return [words.get(value, "{key} {value}").format(key=key, value=value)
+                for key, value in theirs.items() if ours.get(key) != value]
+
+
+def nearest(key: str, known) -> str:
+    """``key`` named beside the nearest known key: how a typo is reported."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"{key}: unknown" + (f" (did you mean {close[0]}?)" if close else " (no known key is close)")
+
+
+def whole(name: str, value, low: int = 1) -> int:
+    """A whole number >= ``low`` from a configuration, or a ConfigError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} = {value!r}: must be a whole number >= {low}")
+    return value

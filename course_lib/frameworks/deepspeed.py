@@ -1,0 +1,203 @@
+"""DeepSpeed's JSON config (deepspeed/runtime/config.py and zero/config.py), with the model from a Hugging Face
+``config.json`` (or a course preset), read into a Job.
+
+DeepSpeed's conventions, and how the course counts them:
+
+* ``train_batch_size`` = ``train_micro_batch_size_per_gpu`` × ``gradient_accumulation_steps`` × dp, where dp is
+  the world over the tensor- and pipeline-parallel degrees; any two give the third, all three must agree.
+* ``zero_optimization.stage`` 0-3 is the course's ZeRO stage over dp, with mixed-precision Adam's 16 bytes per
+  parameter (the ZeRO paper's 2 + 2 + 12, its own formula). DeepSpeed's estimators (estimate_zero2/3_model_states_
+  mem_needs, ledger.deepspeed_estimate) count an fp32 gradient partition too: the report prints both.
+* A ``pipeline`` section's ``stages`` is the pipeline degree; DeepSpeed runs ZeRO-1 at most beside a pipeline.
+  ``tensor_parallel.autotp_size`` is the TP degree (AutoTP training).
+* An ``activation_checkpointing`` section configures deepspeed.checkpointing, which the model's code calls for
+  each block (Hugging Face's gradient checkpointing, Megatron-DeepSpeed): counted as full recomputation.
+* The sequence length is not DeepSpeed's to say (the data pipeline's): ``--seq-len`` gives it.
+* DeepSpeed sets the pipeline's degree in code (``PipelineModule(num_stages=...)``); this reader takes it from a
+  ``pipeline`` section's ``stages``, the way to tell it here.
+* ``"auto"`` is a value Hugging Face's Trainer fills from its own arguments: the report needs the number.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..job import Job
+from ..mesh import Mesh
+from .common import ConfigError, ReadConfig, nearest, whole
+from .huggingface import load_model
+
+READ = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
+        "bf16", "bfloat16", "fp16", "activation_checkpointing", "pipeline", "tensor_parallel", "sequence_parallel_size"}
+NO_EFFECT = {"optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
+             "prescale_gradients", "gradient_predivide_factor", "tensorboard", "wandb", "csv_monitor",
+             "flops_profiler", "comms_logger", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+             "dump_state", "memory_breakdown", "data_types", "communication_data_type", "seed", "checkpoint",
+             "aio", "elasticity"}
+ZERO_READ = {"stage", "overlap_comm", "offload_optimizer", "offload_param"}
+ZERO_NO_EFFECT = {"contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "allgather_partitions",
+                  "reduce_scatter", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
+                  "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                  "stage3_gather_16bit_weights_on_model_save", "load_from_fp32_weights", "elastic_checkpoint",
+                  "ignore_unused_parameters"}
+NOT_MODELLED = {
+    "zero_optimization.offload_optimizer": "the optimizer's state in CPU (or NVMe) memory: counted on the GPU, an "
+                                           "upper bound of what the GPU holds",
+    "zero_optimization.offload_param": "the weights in CPU (or NVMe) memory: counted on the GPU, an upper bound",
+    "zero_optimization.cpu_offload": "the optimizer's state in CPU memory (the old switch): counted on the GPU, an "
+                                     "upper bound",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++'s secondary weight partition: not counted",
+    "zero_optimization.zero_quantized_weights": "ZeRO++'s int8 weight gathers: counted in 16 bits",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++'s int4 gradient reduction: counted in 16 bits",
+    "zero_optimization.mics_shard_size": "MiCS' sub-group sharding: counted as ZeRO over all of dp",
+    "activation_checkpointing.partition_activations": "checkpoints split over the TP ranks: counted whole",
+    "activation_checkpointing.cpu_checkpointing": "checkpoints moved to the CPU: counted on the GPU",
+    "amp": "NVIDIA Apex's AMP: counted as bf16/fp16 mixed precision",
+}
+
+
+def spell(job: Job) -> dict[str, str]:
+    """``job`` as the DeepSpeed keys that set it (ReadConfig.changes: a dotted key is a key inside its section)."""
+    return {"zero_optimization.stage =": str(job.zero),
+            "train_micro_batch_size_per_gpu =": str(job.micro_batch_size),
+            "gradient_accumulation_steps =": str(job.num_microbatches),
+            "tensor_parallel.autotp_size =": str(job.mesh.tp), "pipeline.stages =": str(job.mesh.pp),
+            "the activation_checkpointing section, and the model's gradient checkpointing":
+                "(on)" if job.recompute != "none" else "(off)"}
+
+
+def _section(ds: dict, key: str) -> dict:
+    """A section of the config: a JSON object, or a one-line error."""
+    value = ds.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} = {value!r}: a section of the config, a JSON object of keys")
+    return value
+
+
+def _enabled(ds: dict, *keys: str) -> bool:
+    """bf16.enabled (or its legacy name bfloat16.enabled): a switch, never "auto"."""
+    for key in keys:
+        value = _section(ds, key).get("enabled", False)
+        if value == "auto":
+            raise ConfigError(f'{key}.enabled = "auto": Hugging Face\'s Trainer fills it from its own arguments; '
+                              "write true or false")
+        if value:
+            return True
+    return False
+
+
+def _switched_on(name: str, value) -> bool:
+    """A not-modelled key set away from its default (offload to a device, ZeRO++'s partitions, MiCS's shards)."""
+    defaults = {"zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.mics_shard_size": -1}
+    if isinstance(value, dict):
+        return value.get("device", "none") != "none"
+    return bool(value) and value != defaults.get(name) and value != "none"
+
+
+def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node: int, model: str | None,
+         seq_len: int | None) -> ReadConfig:
+    try:
+        ds = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}: not JSON ({error.msg}, line {error.lineno})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{where}: a DeepSpeed config is a JSON object of keys")
+    if "model_type" in ds:
+        raise ConfigError(f"{where} is a model's config.json: give the DeepSpeed config, and this file as --model")
+    if model is None:
+        raise ConfigError("a DeepSpeed config does not name its model: give --model config.json (a Hugging Face "
+                          "model's) or a course preset")
+    config, model_name, not_modelled, unknown = load_model(model)
+    unknown, not_modelled = list(unknown), list(not_modelled)
+    zero = _section(ds, "zero_optimization")
+    checkpointing = _section(ds, "activation_checkpointing") if "activation_checkpointing" in ds else None
+    for key, value in ds.items():
+        if key in NOT_MODELLED:
+            if _switched_on(key, value):
+                not_modelled.append(f"{key}: {NOT_MODELLED[key]}")
+        elif key not in READ | NO_EFFECT:
+            unknown.append(nearest(key, READ | NO_EFFECT | set(NOT_MODELLED)))
+    for section, keys in (("zero_optimization", zero), ("activation_checkpointing", checkpointing or {})):
+        for key, value in keys.items():
+            name = f"{section}.{key}"
+            if name in NOT_MODELLED:
+                if _switched_on(name, value):
+                    not_modelled.append(f"{name}: {NOT_MODELLED[name]}")
+            elif section == "zero_optimization" and key not in ZERO_READ | ZERO_NO_EFFECT:
+                unknown.append(nearest(name, [f"{section}.{k}" for k in ZERO_READ | ZERO_NO_EFFECT]))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if ds.get(key) == "auto":
+            raise ConfigError(f'{key} = "auto": Hugging Face\'s Trainer fills it from its own arguments; write the '
+                              "number the run uses")
+    if ds.get("sequence_parallel_size", 1) not in (1, None):
+        raise ConfigError(f"sequence_parallel_size = {ds['sequence_parallel_size']!r}: DeepSpeed-Ulysses splits each "
+                          "sequence by all-to-all, which the course does not model (its context parallelism is ring "
+                          "attention), and it changes the data-parallel size the batch keys count")
+
+    tp = whole("tensor_parallel.autotp_size", _section(ds, "tensor_parallel").get("autotp_size", 1))
+    pp = whole("pipeline.stages", _section(ds, "pipeline").get("stages", 1))
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"zero_optimization.stage = {stage!r}: 0, 1, 2 or 3")
+    if pp > 1 and stage > 1:
+        raise ConfigError(f"zero_optimization.stage = {stage} with pipeline.stages = {pp}: DeepSpeed runs ZeRO-1 "
+                          "at most beside a pipeline (stages 2 and 3 would reduce every micro-batch)")
+    micro, accumulation, dp = _batch(ds, num_gpus, tp * pp)
+    precision = "bf16" if _enabled(ds, "bf16", "bfloat16") else "fp16" if _enabled(ds, "fp16") else "fp32"
+    conventions = ["the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes per parameter"
+                   if precision != "fp32" else "fp32 Adam: 4 + 4 + 8 bytes per parameter"]
+    if seq_len is None:
+        raise ConfigError("give the sequence length (--seq-len S): a DeepSpeed config does not hold it (the data "
+                          f"pipeline does; the model allows up to {config.max_seq_len:,} tokens)")
+    if not 1 <= seq_len <= config.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len}: from 1 to the model's max_position_embeddings {config.max_seq_len}")
+    if checkpointing is not None:
+        conventions.append("activation_checkpointing: the model's code checkpoints each block (Hugging Face's "
+                           "gradient checkpointing): counted as full recomputation")
+    overlap = zero.get("overlap_comm", stage == 3)   # DeepSpeed's default: on for stage 3 only
+    job = Job(config, Mesh(dp=dp, tp=tp, pp=pp), seq_len=seq_len, micro_batch_size=micro,
+              num_microbatches=accumulation, zero_stage=stage, recompute="full" if checkpointing is not None else "none",
+              dtype=precision, gpu=gpu, gpus_per_node=gpus_per_node)
+    problems = job.problems()
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
+                      dp_overlap=0.5 if overlap else 0.0)
+
+
+def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:
+    """(micro-batch, accumulation steps, dp) from train_batch_size = micro × accumulation × dp."""
+    given = {key: whole(key, ds[key]) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                  "gradient_accumulation_steps") if key in ds}
+    if num_gpus is None:
+        if len(given) < 3:
+            raise ConfigError("give the GPU count (--gpus N): the batch keys alone do not fix the world")
+        num_gpus = given["train_batch_size"] // (given["train_micro_batch_size_per_gpu"]
+                                                 * given["gradient_accumulation_steps"]) * model_parallel
+    if num_gpus % model_parallel:
+        raise ConfigError(f"{num_gpus} GPUs are not divisible by autotp_size × pipeline stages = {model_parallel}: "
+                          "DeepSpeed's data-parallel size is the world over them")
+    dp = num_gpus // model_parallel
+    micro = given.get("train_micro_batch_size_per_gpu")
+    accumulation = given.get("gradient_accumulation_steps")
+    total = given.get("train_batch_size")
+    if total is None and micro is None:
+        raise ConfigError("no train_batch_size and no train_micro_batch_size_per_gpu: DeepSpeed needs one of them "
+                          "(the other, and gradient_accumulation_steps, follow from train_batch_size = micro × "
+                          "accumulation × dp)")
+    if micro is None and accumulation is None:
+        accumulation = 1
+    if total is None:
+        micro, accumulation = micro or 1, accumulation or 1
+        total = micro * accumulation * dp
+    elif micro is None or accumulation is None:
+        known = micro or accumulation
+        if total % (known * dp):
+            raise ConfigError(f"train_batch_size = {total} is not divisible by {known} × dp {dp}: "
+                              "train_batch_size = micro-batch × gradient_accumulation_steps × dp")
+        micro, accumulation = (micro, total // (micro * dp)) if micro else (total // (accumulation * dp), accumulation)
+    if micro * accumulation * dp != total:
+        raise ConfigError(f"train_batch_size = {total} != train_micro_batch_size_per_gpu {micro} × "
+                          f"gradient_accumulation_steps {accumulation} × dp {dp} = {micro * accumulation * dp}: "
+                          "DeepSpeed requires them to agree")
+    return micro, accumulation, dp

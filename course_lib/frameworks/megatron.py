@@ -1,0 +1,286 @@
+"""Megatron-LM's command-line arguments (megatron/training/arguments.py), read from a launch script into a Job.
+
+The file is a shell script or a bare argument list: lines joined at their backslashes, comments dropped, simple
+``NAME=value`` assignments substituted for ``$NAME`` and ``${NAME}``, and every ``--flag [value]`` anywhere in it
+read (the flags of a bash array such as ``GPT_MODEL_ARGS=( ... )`` included; torchrun's ``--nproc_per_node`` and
+``--nnodes`` give the GPU count when ``--gpus`` does not).
+
+Megatron's conventions, and how the course counts them:
+
+* dp = world / (tp · pp · cp); m = global batch / (micro-batch · dp) micro-batches per step.
+* ``--use-distributed-optimizer`` shards the optimizer's state over dp × cp: ZeRO-1. Bytes per parameter follow
+  Megatron's own table (docs: "Distributed Optimizer"): bf16 weights with fp32 gradients, 6 + 12/d ("bf16+fp32
+  grads", since bf16 accumulates and all-reduces gradients in fp32); fp32, 8 + 8/d; fp16, 4 + 16/d, where the
+  fp32 copy of the gradients lives in the optimizer's shard and the course's "fp32 grad accumulation" keeps it
+  whole (said in the report).
+* Without ``--swiglu`` the MLP is GeLU with two matrices of width F (default 4h): counted as the course's
+  SwiGLU of width 2F/3, the same weights and FLOPs. LayerNorm, linear biases and learned positions (Megatron's
+  defaults) are parameters the course model does not have: counted, in the report, as what is left out.
+* The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp, as Megatron pads it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+
+from ..job import Job
+from ..mesh import Mesh
+from ..model import ModelConfig
+from .common import ConfigError, ReadConfig, nearest, whole
+
+INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
+            "num-virtual-stages-per-pipeline-rank", "context-parallel-size", "expert-model-parallel-size",
+            "recompute-num-layers", "micro-batch-size", "global-batch-size", "seq-length", "max-position-embeddings",
+            "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups", "kv-channels",
+            "vocab-size", "make-vocab-size-divisible-by", "num-experts", "moe-router-topk", "moe-ffn-hidden-size",
+            "expert-tensor-parallel-size", "nproc_per_node", "nproc-per-node", "nnodes"}
+WORDS = {"recompute-granularity", "recompute-method", "normalization", "position-embedding-type", "rotary-base",
+         "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy"}
+SWITCHES = {"sequence-parallel", "use-distributed-optimizer", "group-query-attention", "swiglu",
+            "untie-embeddings-and-output-weights", "bf16", "fp16", "accumulate-allreduce-grads-in-fp32",
+            "add-qkv-bias", "disable-bias-linear", "use-flash-attn", "overlap-grad-reduce", "overlap-param-gather",
+            "recompute-activations", "use-rotary-position-embeddings", "use-megatron-fsdp", "optimizer-cpu-offload"}
+# Flags that change nothing the report counts (optimizer settings, data, logging, checkpoints, the launcher).
+NO_EFFECT = {
+    "lr", "min-lr", "lr-decay-style", "lr-decay-iters", "lr-decay-samples", "lr-warmup-iters", "lr-warmup-fraction",
+    "lr-warmup-samples", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "adam-eps", "init-method-std",
+    "train-iters", "train-samples", "data-path", "split", "vocab-file", "merge-file", "tokenizer-model", "save",
+    "load", "save-interval", "eval-interval", "eval-iters", "log-interval", "tensorboard-dir", "seed",
+    "attention-dropout", "hidden-dropout", "distributed-backend", "use-mcore-models", "transformer-impl",
+    "mock-data", "ckpt-format", "log-throughput", "log-timers-to-tensorboard", "wandb-project", "wandb-exp-name",
+    "no-masked-softmax-fusion", "no-bias-gelu-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
+    "no-gradient-accumulation-fusion", "no-position-embedding", "data-cache-path", "exit-duration-in-mins",
+    "timing-log-level", "master_addr", "master-addr", "master_port", "master-port", "node_rank", "node-rank",
+    "rdzv_backend", "rdzv-backend", "rdzv_endpoint", "rdzv-endpoint", "rdzv_id", "rdzv-id", "norm-epsilon",
+    "moe-grouped-gemm", "moe-aux-loss-coeff", "moe-router-load-balancing-type", "moe-token-dispatcher-type",
+    "use-checkpoint-args", "no-load-optim", "no-load-rng", "bert-no-binary-head", "num-workers", "rampup-batch-size",
+}
+NOT_MODELLED = {
+    "fp8-format": "FP8 matmuls (Transformer Engine): the course times and counts bf16",
+    "cpu-offloading": "activation and weight offload to the CPU: counted on the GPU, an upper bound",
+    "multi-latent-attention": "MLA (DeepSeek's attention): the course model's attention is grouped-query",
+    "use-torch-fsdp2": "Megatron's FSDP2 path: counted as the distributed optimizer (ZeRO-1) or DDP",
+    "use-custom-fsdp": "Megatron's own FSDP: counted as the distributed optimizer (ZeRO-1) or DDP",
+    "use-megatron-fsdp": "Megatron's own FSDP: counted as the distributed optimizer (ZeRO-1) or DDP",
+    "data-parallel-sharding-strategy": "Megatron-FSDP's sharding: counted as the distributed optimizer or DDP",
+    "optimizer-cpu-offload": "the optimizer's state in CPU memory: counted on the GPU, an upper bound",
+    "tp-comm-overlap": "TP communication overlapped with GEMMs (Transformer Engine): timed without overlap",
+    "num-layers-in-first-pipeline-stage": "an uneven first stage: the course splits the layers evenly",
+    "num-layers-in-last-pipeline-stage": "an uneven last stage: the course splits the layers evenly",
+    "decoder-first-pipeline-num-layers": "an uneven first stage: the course splits the layers evenly",
+    "decoder-last-pipeline-num-layers": "an uneven last stage: the course splits the layers evenly",
+    "moe-shared-expert-intermediate-size": "a shared expert: the course's MoE layer has routed experts only",
+}
+KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
+
+
+def spell(job: Job) -> dict[str, str]:
+    """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it)."""
+    layers_per_chunk = job.config.num_layers // (job.mesh.pp * job.num_chunks)
+    recompute = {"none": "(off)", "selective": "selective",
+                 "full": "full --recompute-method uniform --recompute-num-layers 1"}[job.recompute]
+    return {"--tensor-model-parallel-size": str(job.mesh.tp), "--pipeline-model-parallel-size": str(job.mesh.pp),
+            "--num-layers-per-virtual-pipeline-stage": str(layers_per_chunk) if job.num_chunks > 1 else "(off)",
+            "--micro-batch-size": str(job.micro_batch_size), "--recompute-granularity": recompute,
+            "--sequence-parallel": "(on)" if job.sequence_parallel else "(off)",
+            "--use-distributed-optimizer": "(on)" if job.zero_stage == 1 else "(off)"}
+
+
+def arguments(text: str) -> list[str]:
+    """The script's tokens, continuation lines joined, comments dropped, ``NAME=value`` variables substituted (once
+    each, in the order written: a variable defined from another takes its value so far)."""
+    text = text.replace("\\\n", " ")
+    variables: dict[str, str] = {}
+    for name, value in re.findall(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=([^\s()]+)\s*$", text, flags=re.M):
+        variables[name] = _substitute(value, variables)
+    try:
+        return shlex.split(_substitute(text, variables), comments=True)
+    except ValueError as error:
+        raise ConfigError(f"not a shell argument list ({error})") from None
+
+
+def _substitute(text: str, variables: dict[str, str]) -> str:
+    """$NAME and ${NAME} replaced by their values, in one pass (a value is never expanded again)."""
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m[1], m[0]), text)
+
+
+def flags(tokens: list[str], where: str) -> tuple[dict, list[str]]:
+    """{flag: value} (a switch: True) of every ``--flag`` in ``tokens``, and the unknown flags' lines."""
+    found, unknown = {}, []
+    for i, token in enumerate(tokens):
+        if not token.startswith("--") or token == "--":
+            continue
+        name, _, inline = token[2:].partition("=")
+        following = tokens[i + 1] if i + 1 < len(tokens) else None
+        value = inline or (following if following is not None and not following.startswith("--") else None)
+        if name in SWITCHES or (name not in INTEGERS | WORDS and value is None):
+            value = True
+        elif name in WORDS and value is None:
+            raise ConfigError(f"{where}: --{name} has no value: it takes a word")
+        if name in INTEGERS:
+            if value is None or not re.fullmatch(r"-?\d+", str(value)):
+                raise ConfigError(f"{where}: --{name} {value if value is not None else '(nothing)'}: must be a whole "
+                                  "number (a shell expression the reader cannot evaluate? write the number)")
+            value = int(value)
+        if name not in KNOWN:
+            unknown.append(nearest(f"--{name}", [f"--{k}" for k in KNOWN]))
+        found[name] = value
+    return found, unknown
+
+
+def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node: int) -> ReadConfig:
+    args, unknown = flags(arguments(text), where)
+    not_modelled = [f"--{name}: {reason}" for name, reason in NOT_MODELLED.items() if name in args]
+
+    launched = args.get("nproc_per_node", args.get("nproc-per-node", 0)) * args.get("nnodes", 1)
+    if num_gpus is None:
+        num_gpus = launched or None
+    if num_gpus is None:
+        raise ConfigError(f"{where}: no torchrun --nproc_per_node here: give the GPU count (--gpus N)")
+    if launched and launched != num_gpus:
+        raise ConfigError(f"--gpus {num_gpus} but the script's torchrun starts --nproc_per_node × --nnodes = "
+                          f"{launched}: one of them is not this job")
+    tp, pp, cp, ep = (whole(f"--{name}-size", args.get(f"{name}-size", 1)) for name in
+                      ("tensor-model-parallel", "pipeline-model-parallel", "context-parallel",
+                       "expert-model-parallel"))
+    if args.get("num-experts") and args.get("expert-tensor-parallel-size", tp) > 1:   # Megatron's default: tp
+        not_modelled.append("experts split by TP (--expert-tensor-parallel-size, by default the TP size): the "
+                            "course's MoE layer has none")
+    if args.get("bf16") and args.get("fp16"):
+        raise ConfigError(f"{where}: --bf16 and --fp16 together: Megatron-LM takes one")
+    if num_gpus % (tp * pp * cp):
+        raise ConfigError(f"{num_gpus} GPUs are not divisible by tp {tp} × pp {pp} × cp {cp} = {tp * pp * cp}: "
+                          "Megatron's data-parallel size is world / (tp × pp × cp)")
+    dp = num_gpus // (tp * pp * cp)
+    config, conventions, left_out = _model(args, tp, pp)
+    not_modelled += left_out
+
+    micro = whole("--micro-batch-size", args.get("micro-batch-size", 1))
+    global_batch = whole("--global-batch-size", args.get("global-batch-size", micro * dp))
+    if global_batch % (micro * dp):
+        raise ConfigError(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro} × dp "
+                          f"{dp} = {micro * dp}: Megatron runs whole micro-batches on every data-parallel rank")
+    num_chunks = _chunks(args, config.num_layers, pp)
+    precision = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
+    convention = {"bf16": "bf16+fp32 grads", "fp16": "fp32 grad accumulation", "fp32": "fp32"}[precision]
+    zero_stage = 1 if args.get("use-distributed-optimizer") else 0
+    if precision == "fp16" and zero_stage == 1:
+        conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
+                           "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
+    job = Job(config, Mesh(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), seq_len=config.max_seq_len, micro_batch_size=micro,
+              num_microbatches=global_batch // (micro * dp), zero_stage=zero_stage, recompute=_recompute(args,
+              not_modelled), sequence_parallel=bool(args.get("sequence-parallel")), vocab_parallel=tp > 1,
+              schedule="interleaved" if num_chunks > 1 else "1f1b", num_chunks=num_chunks, data_parallel=ep == 1,
+              dtype="fp32" if precision == "fp32" else precision, convention=convention, gpu=gpu,
+              gpus_per_node=gpus_per_node)
+    problems = job.problems()
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    name = f"GPT {config.num_layers} layers × {config.hidden} wide" + (
+        f", {config.num_experts} experts" if config.num_experts else "")
+    return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown, spell,
+                      dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0)
+
+
+def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:
+    """The model the shape flags describe, with Megatron's defaults; what the reading assumed, what it left out."""
+    missing = [f"--{name}" for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length")
+               if name not in args]
+    if missing:
+        raise ConfigError(f"no {', '.join(missing)}: Megatron-LM requires the model's shape and the sequence length")
+    for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "ffn-hidden-size", "kv-channels",
+                 "num-query-groups", "vocab-size", "make-vocab-size-divisible-by", "moe-ffn-hidden-size",
+                 "moe-router-topk", "max-position-embeddings"):
+        if name in args:
+            whole(f"--{name}", args[name])
+    hidden, heads, layers = args["hidden-size"], args["num-attention-heads"], args["num-layers"]
+    if args.get("kv-channels", hidden // heads) * heads != hidden:
+        raise ConfigError(f"--kv-channels {args.get('kv-channels', hidden / heads):g} × --num-attention-heads {heads} "
+                          f"!= --hidden-size {hidden}: the course model's heads split the width evenly")
+    # --group-query-attention without --num-query-groups is one group (Megatron's default)
+    kv_heads = args.get("num-query-groups", 1) if args.get("group-query-attention") else heads
+    experts = args.get("num-experts", 0)
+    swiglu = bool(args.get("swiglu"))
+    ffn = args.get("moe-ffn-hidden-size") if experts and "moe-ffn-hidden-size" in args else args.get("ffn-hidden-size")
+    if ffn is None:                  # Megatron's defaults: 4h, and for SwiGLU 2/3 of it, down to a multiple of 64
+        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
+    width = ffn if swiglu else 2 * ffn // 3
+    conventions = [] if swiglu else [f"GeLU MLP of width {ffn} (2 matrices) counted as SwiGLU of width {width} "
+                                     "(3 matrices): the same weights and FLOPs"]
+    vocab = args.get("vocab-size")
+    if vocab is None:
+        vocab = 50257
+        conventions.append("no --vocab-size: GPT-2's tokenizer (50,257 tokens) assumed")
+    multiple = args.get("make-vocab-size-divisible-by", 128) * tp
+    padded = math.ceil(vocab / multiple) * multiple
+    if padded != vocab:
+        conventions.append(f"vocabulary {vocab:,} padded to {padded:,} (a multiple of "
+                           f"--make-vocab-size-divisible-by × tp = {multiple})")
+    tied = not args.get("untie-embeddings-and-output-weights")
+    if tied and tp > 1:   # the course splits the embedding and the head by vocabulary only when they are apart
+        tied = False
+        conventions.append("tied embedding and output layer, split by vocabulary over TP: counted as two "
+                           + ("(Megatron keeps a copy of the embedding on the last pipeline stage: exact)" if pp > 1
+                              else f"({padded // tp * hidden:,} parameters per GPU more than Megatron holds)"))
+    seq_len = args["seq-length"]
+    try:
+        config = ModelConfig(vocab_size=padded, hidden=hidden, num_layers=layers, num_heads=heads,
+                             num_kv_heads=kv_heads, intermediate=width, max_seq_len=seq_len,
+                             tie_embeddings=tied,
+                             attn_bias=bool(args.get("add-qkv-bias")), num_experts=experts,
+                             top_k=args.get("moe-router-topk", 2))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return config, conventions, _left_out(args, config, ffn)
+
+
+def _left_out(args: dict, config: ModelConfig, ffn: int) -> list[str]:
+    """Megatron's default LayerNorm, linear biases and learned positions: the parameters the course model lacks."""
+    d, h = config.hidden, config.hidden // config.num_heads
+    parts = []
+    if args.get("normalization", "LayerNorm") == "LayerNorm":
+        parts.append(("LayerNorm's biases", config.num_layers * 2 * d + d))
+    if not args.get("disable-bias-linear"):
+        mlp = (ffn if not args.get("swiglu") else 2 * ffn) + d
+        per_layer = (config.num_heads + 2 * config.num_kv_heads) * h + d + mlp * max(1, config.num_experts)
+        parts.append(("linear layers' biases", config.num_layers * per_layer))
+    if args.get("position-embedding-type", "learned_absolute") == "learned_absolute" and not args.get(
+            "use-rotary-position-embeddings"):
+        parts.append(("learned position embeddings", args.get("max-position-embeddings", config.max_seq_len) * d))
+    return [f"{name}: {count:,} parameters the course model does not have (it uses RMSNorm, no biases, rotary "
+            "positions), left out of every count" for name, count in parts]
+
+
+def _chunks(args: dict, layers: int, pp: int) -> int:
+    """v, the model chunks per pipeline rank: --num-virtual-stages-per-pipeline-rank, or the layers per rank
+    over --num-layers-per-virtual-pipeline-stage."""
+    if "num-virtual-stages-per-pipeline-rank" in args:
+        return whole("--num-virtual-stages-per-pipeline-rank", args["num-virtual-stages-per-pipeline-rank"])
+    if "num-layers-per-virtual-pipeline-stage" not in args:
+        return 1
+    per_chunk = whole("--num-layers-per-virtual-pipeline-stage", args["num-layers-per-virtual-pipeline-stage"])
+    if layers % (pp * per_chunk):
+        raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × "
+                          f"--num-layers-per-virtual-pipeline-stage {per_chunk}: every virtual stage holds as many "
+                          "layers")
+    return layers // (pp * per_chunk)
+
+
+def _recompute(args: dict, not_modelled: list[str]) -> str:
+    """--recompute-activations is selective (and wins, as in Megatron-LM); full needs its method."""
+    granularity = "selective" if args.get("recompute-activations") else args.get("recompute-granularity")
+    if granularity is None:
+        return "none"
+    if granularity not in ("full", "selective"):
+        raise ConfigError(f"--recompute-granularity {granularity}: full or selective")
+    if granularity == "full":
+        method, layers = args.get("recompute-method"), args.get("recompute-num-layers")
+        if method not in ("uniform", "block") or layers is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block and "
+                              "--recompute-num-layers (Megatron-LM refuses it without them)")
+        if (method, layers) != ("uniform", 1):
+            not_modelled.append(f"--recompute-method {method} --recompute-num-layers {layers}: counted as full "
+                                "recomputation of each layer")
+    return granularity

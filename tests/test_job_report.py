@@ -1,0 +1,327 @@
+"""A learner's own configuration (course_lib.frameworks) and its report (course_lib.job_report): every example file
+of each framework read and reported, its memory the virtual run's measured bytes and its state the framework's
+own formula; the same layout in three dialects; every bad input one line and exit code 2."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from course_lib.frameworks import ConfigError, read_config
+from course_lib.job import Job
+from course_lib.job_report import (
+    MEGATRON_TABLE,
+    format_report,
+    job_report,
+    main,
+    microbatches_to_run,
+)
+from course_lib.mesh import Mesh
+from course_lib.model import preset
+from course_lib.per_rank import params_per_rank
+from course_lib.virtual import run_rank
+
+EXAMPLES = Path(__file__).parents[1] / "course_lib" / "frameworks" / "examples"
+HF = EXAMPLES / "hf"
+# (file, read_config's keywords): three per framework, the issue's list among them
+CONFIGS = {
+    "llama3_8b.toml": {"num_gpus": 8},                    # Llama-3-8B on 8 H100 with FSDP
+    "llama2_70b_fsdp_tp.toml": {"num_gpus": 64},          # Llama-2-70B, FSDP + TP on 64
+    "llama3_8b_tp8.toml": {"num_gpus": 8},
+    "gpt3_175b_3d.sh": {"gpu": "A100 80GB"},              # GPT-3-175B-shaped 3D, interleaved, 1,024 GPUs
+    "llama2_70b.sh": {},
+    "mixtral_8x7b_ep.sh": {},                             # a Mixtral with EP
+    "zero3_llama2_7b.json": {"num_gpus": 8, "model": str(HF / "llama-2-7b.json"), "seq_len": 4096},   # a ZeRO-3 7B
+    "zero2_qwen2_7b.json": {"num_gpus": 16, "model": str(HF / "qwen2-7b.json"), "seq_len": 4096},
+    "zero3_mixtral_offload.json": {"num_gpus": 64, "model": str(HF / "mixtral-8x7b.json"), "seq_len": 4096},
+}
+
+
+SEARCHED = {"llama3_8b_tp8.toml", "llama2_70b.sh"}    # the reports whose better layouts the tests read
+
+
+@pytest.fixture(scope="module")
+def reports():
+    found = {}
+    for name, keywords in CONFIGS.items():
+        read = read_config(EXAMPLES / name, **keywords)
+        found[name] = (read, job_report(read, alternatives=name in SEARCHED))
+    return found
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_memory_is_the_virtual_runs_measured_bytes(reports, name):
+    read, report = reports[name]
+    memory, run = report["memory"], report["virtual_run"]
+    assert memory["activations"] == run["activation_bytes_peak"] > 0
+    assert "activation_bytes_peak" in memory["measured"]
+    if "state_bytes" in memory["measured"]:
+        assert memory["state"] == run["state_bytes"]["total"]
+    else:   # the formula's (ep > 1, or a convention the virtual optimizer does not hold), and said so
+        assert memory["state"] == memory["formulas"]["state"]
+        assert "the state is" in format_report(report)
+        if memory["virtual_state"] is not None:   # Megatron's fp32 gradients: the measured 16-bit state + 2 bytes
+            job = read.job                          # for each parameter of the rank, whole (ZeRO-1 shards none)
+            params = params_per_rank(job.config, job.mesh, memory["stage"], job.num_chunks, job.vocab_parallel)
+            assert job.state_convention == "bf16+fp32 grads" and job.zero_stage == 1
+            assert memory["state"] == memory["virtual_state"] + 2 * params
+    assert memory["total"] == memory["state"] + memory["transient"] + memory["activations"] + memory["reserve"]
+    assert memory["fits"] == (memory["total"] <= memory["card"])
+    assert report["sent_bytes_checked"] < 1e-3      # the formulas for m equal the measured bytes of the short step
+
+
+@pytest.mark.parametrize("name", ["llama3_8b.toml", "llama2_70b.sh"])
+def test_the_report_runs_the_virtual_cluster(reports, name):
+    """The report's run is the virtual cluster's: run again, the same bytes."""
+    read, report = reports[name]
+    run = report["virtual_run"]
+    again = run_rank(read.job.replace(num_microbatches=run["num_microbatches"]), run["rank"])
+    assert again["activation_bytes_peak"] == report["memory"]["activations"]
+    assert again["state_bytes"] == run["state_bytes"] and again["sent_bytes"] == run["sent_bytes"]
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if "mixtral_8x7b_ep" not in n])
+def test_state_is_the_frameworks_own_formula(reports, name):
+    read, report = reports[name]
+    theirs = report["memory"]["framework_state"]
+    # within a shard's padding (ZeroDataParallel pads each unit to a multiple of its group)
+    assert math.isclose(report["memory"]["state"], theirs["bytes"], rel_tol=1e-6), theirs["source"]
+
+
+def test_megatron_table_by_hand(reports):
+    """Megatron-LM's docs: bf16 parameters with fp32 gradients and the distributed optimizer, 6 + 12/d bytes."""
+    read, report = reports["llama2_70b.sh"]
+    job = read.job
+    params = params_per_rank(job.config, job.mesh, report["memory"]["stage"], job.num_chunks, job.vocab_parallel)
+    assert MEGATRON_TABLE["bf16", 1] == (6, 12)
+    assert math.isclose(report["memory"]["state"], 6 * params + 12 * params / job.mesh.dp, rel_tol=1e-6)
+
+
+def test_deepspeed_estimator_beside_the_paper(reports):
+    """ZeRO-3 7B: the state is the paper's 16·P/N; DeepSpeed's estimator adds 2 bytes sharded and a layer."""
+    read, report = reports["zero3_llama2_7b.json"]
+    theirs, params = report["memory"]["framework_state"], 6_738_415_616
+    assert math.isclose(theirs["bytes"], 16 * params / 8, rel_tol=1e-9)
+    assert theirs["estimator"] > report["memory"]["state"]
+    assert "estimator prints" in format_report(report)
+
+
+def test_reports_read_their_files(reports):
+    _, titan8 = reports["llama3_8b.toml"]     # FSDP2 reduces in fp32: its reduce-scatter moves twice the bytes
+    assert titan8["framework_dp_bytes"] == pytest.approx(titan8["sent_bytes"]["dp"] * 4 / 3, rel=1e-9)  # 2 AG + RS
+    assert reports["zero3_llama2_7b.json"][1]["framework_dp_bytes"] is None
+    _, titan = reports["llama2_70b_fsdp_tp.toml"]
+    assert titan["mesh"] == "Mesh(dp=8, tp=8, pp=1)" and titan["zero_stage"] == 3
+    assert any("[compile]" in line for line in titan["not_modelled"])
+    read, gpt3 = reports["gpt3_175b_3d.sh"]
+    assert gpt3["gpus"] == 1024 and read.job.num_chunks == 4 and read.job.sequence_parallel
+    assert read.job.config.vocab_size == 51200 and gpt3["num_microbatches"] == 96
+    assert read.dp_overlap == 0.5                          # --overlap-grad-reduce
+    _, offload = reports["zero3_mixtral_offload.json"]
+    assert any("offload_optimizer" in line for line in offload["not_modelled"])
+    _, qwen = reports["zero2_qwen2_7b.json"]
+    assert qwen["seq_len"] == 4096 and qwen["zero_stage"] == 2
+
+
+def test_better_layouts_are_faster_and_written_in_the_files_keys(reports):
+    read, report = reports["llama3_8b_tp8.toml"]
+    assert report["better"][0]["recipe"] == "ZeRO-3 / FSDP"     # TP over 8 GPUs for an 8B model: FSDP is faster
+    assert "[parallelism] tensor_parallel_degree = 1" in report["better"][0]["change"]
+    for alternative in report["better"]:
+        assert alternative["speedup"] > 1.11 and alternative["memory"] <= report["memory"]["card"]
+        assert all(line.startswith("[") for line in alternative["change"])
+    _, megatron = reports["llama2_70b.sh"]
+    assert all(line.startswith("--") for alternative in megatron["better"] for line in alternative["change"])
+
+
+def test_a_job_that_does_not_fit_gets_layouts_that_do(tmp_path):
+    config = tmp_path / "big_batch.toml"
+    config.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 4\nseq_len = 8192\n'
+                      '[activation_checkpoint]\nmode = "none"\n')
+    report = job_report(read_config(config, num_gpus=8))
+    assert not report["memory"]["fits"] and report["bottleneck"].startswith("it does not fit")
+    assert report["better"] and all(alt["memory"] <= report["memory"]["card"] for alt in report["better"])
+    fsdp = report["better"][0]           # the same FSDP over 8 GPUs, micro-batches of 1 sequence: 4 passes
+    assert fsdp["recipe"] == "ZeRO-3 / FSDP" and fsdp["change"] == ["[training] local_batch_size = 1",
+                                                                    "[training] global_batch_size = 32"]
+
+
+def test_microbatches_to_run_keeps_the_peak():
+    """The report runs the fewest micro-batches that reach the stage's peak: the same peak as the whole step."""
+    for schedule, num_chunks in (("1f1b", 1), ("interleaved", 2)):
+        job = Job(preset("tiny"), Mesh(pp=2), seq_len=16, num_microbatches=8, zero_stage=1, schedule=schedule,
+                  num_chunks=num_chunks)
+        short = microbatches_to_run(job, 0)
+        assert short < 8
+        assert (run_rank(job.replace(num_microbatches=short), 0)["activation_bytes_peak"]
+                == run_rank(job, 0)["activation_bytes_peak"])
+
+
+# ------------------------------------------------------------------------- the same layout in three dialects
+
+LLAMA3_8B_TOML = """[model]
+name = "llama3"
+flavor = "8B"
+[training]
+local_batch_size = 1
+seq_len = 4096
+[parallelism]
+data_parallel_shard_degree = -1
+[activation_checkpoint]
+mode = "full"
+"""
+LLAMA3_8B_DEEPSPEED = """{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 3}, "activation_checkpointing": {}}"""
+LLAMA3_8B_MEGATRON = """--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+--group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope
+--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 128256 --seq-length 4096
+--micro-batch-size 1 --global-batch-size 8 --recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1 --bf16 --use-distributed-optimizer
+--overlap-grad-reduce
+"""
+
+
+def test_one_layout_three_dialects(tmp_path):
+    """Llama-3-8B on 8 GPUs, sharded, each block recomputed: torchtitan's FSDP2 and DeepSpeed's ZeRO-3 agree to
+    the byte and the second; Megatron-LM runs it with its distributed optimizer (ZeRO-1) and fp32 gradients, and
+    its report says which convention makes its state larger."""
+    files = {"titan.toml": LLAMA3_8B_TOML, "ds.json": LLAMA3_8B_DEEPSPEED, "megatron.sh": LLAMA3_8B_MEGATRON}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    titan = job_report(read_config(tmp_path / "titan.toml", num_gpus=8))
+    deepspeed = job_report(read_config(tmp_path / "ds.json", num_gpus=8, seq_len=4096,
+                                       model=str(HF / "meta-llama-3-8b.json")))
+    megatron = job_report(read_config(tmp_path / "megatron.sh", num_gpus=8))
+    for part in ("state", "transient", "activations", "total"):
+        assert titan["memory"][part] == deepspeed["memory"][part], part
+    assert titan["sent_bytes"] == deepspeed["sent_bytes"]
+    assert titan["step"]["seconds"] == deepspeed["step"]["seconds"]
+    assert megatron["memory"]["activations"] == titan["memory"]["activations"]   # the same model and batch
+    assert megatron["zero_stage"] == 1 and megatron["convention"] == "bf16+fp32 grads"
+    ratio = megatron["memory"]["state"] / titan["memory"]["state"]
+    assert math.isclose(ratio, (6 + 12 / 8) / (16 / 8), rel_tol=1e-6)             # bytes per parameter
+    assert "Megatron-LM's distributed-optimizer table" in format_report(megatron)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+BAD = {
+    "degrees.toml": ('[model]\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 8\n',
+                     ["--gpus", "64"], "multiply to the world size"),
+    "batch.toml": ('[model]\nflavor = "8B"\n[training]\nlocal_batch_size = 3\nglobal_batch_size = 100\n', ["--gpus", "8"],
+                   "gradient accumulation takes whole passes"),
+    "heads.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
+                 "--tensor-model-parallel-size 3", ["--gpus", "3"], "16"),
+    "world.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
+                 "--tensor-model-parallel-size 4", ["--gpus", "6"], "world / (tp × pp × cp)"),
+    "global.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
+                  "--micro-batch-size 3 --global-batch-size 10", ["--gpus", "2"], "--global-batch-size 10"),
+    "stages.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
+                  "--pipeline-model-parallel-size 8", ["--gpus", "8"], "pp 8 stages > 4 layers"),
+    "mismatch.json": ('{"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}',
+                      ["--gpus", "8", "--model", "llama2-7b"], "train_batch_size = 100"),
+    "auto.json": ('{"train_micro_batch_size_per_gpu": "auto"}', ["--gpus", "8", "--model", "llama2-7b"], '"auto"'),
+    "nomodel.json": ('{"train_micro_batch_size_per_gpu": 1}', ["--gpus", "8"], "--model"),
+    "stage2pipe.json": ('{"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}}',
+                        ["--gpus", "8", "--model", "llama2-7b"], "ZeRO-1 at most"),
+    "broken.toml": ("[parallelism\n", ["--gpus", "8"], "not TOML"),
+    "noflavour.toml": ('[model]\nname = "llama3"\n', ["--gpus", "8"], "debugmodel, is not modelled"),
+    "section.toml": ("parallelism = 3\n", ["--gpus", "8"], "parallelism = 3: torchtitan's config is made of"),
+    "listname.toml": ('[model]\nname = ["llama3"]\n', ["--gpus", "8"], "must be a string"),
+    "zero.json": ('{"zero_optimization": 3, "train_micro_batch_size_per_gpu": 1}', ["--gpus", "8", "--model",
+                  "llama2-7b"], "zero_optimization = 3: a section"),
+    "noseq.json": ('{"train_micro_batch_size_per_gpu": 1}', ["--gpus", "8", "--model", "llama2-7b"], "--seq-len"),
+    "ulysses.json": ('{"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 4}',
+                     ["--gpus", "8", "--model", "llama2-7b"], "DeepSpeed-Ulysses"),
+    "nobatch.json": ('{"gradient_accumulation_steps": 4}', ["--gpus", "8", "--model", "llama2-7b"],
+                     "no train_batch_size"),
+    "heads0.sh": ("--num-layers 4 --hidden-size 64 --num-attention-heads 0 --seq-length 64", ["--gpus", "1"],
+                  "--num-attention-heads = 0"),
+    "noword.sh": ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --recompute-granularity",
+                  ["--gpus", "1"], "--recompute-granularity has no value"),
+    "fullnomethod.sh": ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                        "--recompute-granularity full", ["--gpus", "1"], "--recompute-method"),
+    "badgpu.toml": ("", ["--gpus", "8", "--gpu", "Z100"], "--gpu"),
+    "selfref.sh": ("A=$A$A$A$A$A$A$A$A$A$A$A$A$A$A$A$A\n--num-layers $A --hidden-size 64", ["--gpus", "1"],
+                   "must be a whole number"),        # expanded once, not 16**5 times
+    "typo_world.toml": ("", ["--gpus", "1000000000"], "more than the 131,072 GPUs"),
+    "nnodes.sh": ("torchrun --nproc_per_node 8 --nnodes 1000000000 pretrain_gpt.py --num-layers 4 --hidden-size 64 "
+                  "--num-attention-heads 4 --seq-length 64", [], "more than the 131,072"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, name):
+    text, argv, says = BAD[name]
+    path = tmp_path / name
+    path.write_text(text)
+    assert main([str(path), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+
+
+def test_model_family_not_modelled(tmp_path, capsys):
+    gpt2 = tmp_path / "config.json"
+    gpt2.write_text('{"model_type": "gpt2", "n_embd": 768}')
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    assert main([str(tmp_path / "ds.json"), "--gpus", "8", "--model", str(gpt2)]) == 2
+    assert "model_type = 'gpt2' is not modelled" in capsys.readouterr().err
+
+
+def test_unknown_keys_are_named_with_the_nearest(tmp_path):
+    (tmp_path / "typo.toml").write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\n'
+                                        'tensor_paralel_degree = 2\n[training]\nseq_len = 1024\n')
+    read = read_config(tmp_path / "typo.toml", num_gpus=8)
+    assert read.unknown == ["[parallelism] tensor_paralel_degree: unknown (did you mean "
+                            "[parallelism] tensor_parallel_degree?)"]
+    assert read.job.mesh.tp == 1                           # the typo set nothing
+    (tmp_path / "typo.sh").write_text(LLAMA3_8B_MEGATRON + " --tensor-model-paralel-size 2 --fp8-format hybrid")
+    read = read_config(tmp_path / "typo.sh", num_gpus=8)
+    assert read.unknown == ["--tensor-model-paralel-size: unknown (did you mean --tensor-model-parallel-size?)"]
+    assert any(line.startswith("--fp8-format") for line in read.not_modelled)
+    (tmp_path / "typo.json").write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gp": 1, "zero_optimization": {"stag": 1}}')
+    read = read_config(tmp_path / "typo.json", num_gpus=8, model="llama2-7b", seq_len=1024)
+    assert read.unknown == ["train_micro_batch_size_per_gp: unknown (did you mean train_micro_batch_size_per_gpu?)",
+                            "zero_optimization.stag: unknown (did you mean zero_optimization.stage?)"]
+
+
+def test_llama3_405b_as_llama3_trained_it():
+    """torchtitan's 3D: shard degree -1 fills 512 GPUs; FSDP2 beside a pipeline keeps its weights gathered (the
+    default policy); each pass is a pipeline of 16 micro-batches of 1 sequence per rank, 8 passes a step."""
+    read = read_config(EXAMPLES / "llama3_405b_3d.toml", num_gpus=512)
+    job = read.job
+    assert job.mesh == Mesh(dp=8, tp=8, pp=8) and job.num_chunks == 2 and job.schedule == "interleaved"
+    assert (job.num_microbatches, job.global_batch_size) == (16, 128)          # one pass: its own fill and drain
+    assert any("8 gradient-accumulation passes" in line for line in read.conventions)
+    assert not job.reshard_after_forward and not job.reshard_after_backward and job.sequence_parallel
+
+
+def test_torchtitan_tp_without_fsdp_trains_in_fp32(reports):
+    """torchtitan's maybe_enable_amp: TP or PP without FSDP turns mixed precision off; its FSDP layouts run bf16."""
+    read, report = reports["llama3_8b_tp8.toml"]
+    assert read.job.dtype == "fp32" and any("fp32 matmuls" in line for line in read.not_modelled)
+    assert "dp 8 × tp 1 × pp 1" in report["better"][0]["layout"]
+
+
+def test_pure_ddp_over_replicas(tmp_path):
+    (tmp_path / "ddp.toml").write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = 1024\n'
+                                       "local_batch_size = 1\n[parallelism]\ndata_parallel_replicate_degree = 8\n"
+                                       "data_parallel_shard_degree = 1\n")
+    job = read_config(tmp_path / "ddp.toml", num_gpus=8).job
+    assert job.mesh == Mesh(dp=8) and job.zero_stage == 0
+
+
+def test_megatron_script_variables_and_torchrun():
+    read = read_config(EXAMPLES / "gpt3_175b_3d.sh")       # $TP, ${PP}; 8 × 128 GPUs from torchrun's flags
+    assert (read.job.mesh.tp, read.job.mesh.pp, read.job.mesh.size) == (8, 8, 1024)
+    with pytest.raises(ConfigError, match="torchrun starts"):
+        read_config(EXAMPLES / "gpt3_175b_3d.sh", num_gpus=512)
+
+
+def test_command_line_report_and_json(capsys):
+    import json
+
+    assert main([str(EXAMPLES / "zero3_llama2_7b.json"), "--gpus", "8", "--gpu", "H100", "--model",
+                 str(HF / "llama-2-7b.json"), "--seq-len", "2048", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu"] == "H100 SXM" and report["seq_len"] == 2048 and report["memory"]["fits"]
