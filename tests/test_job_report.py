@@ -316,6 +316,11 @@ def test_megatron_script_variables_and_torchrun():
     assert (read.job.mesh.tp, read.job.mesh.pp, read.job.mesh.size) == (8, 8, 1024)
     with pytest.raises(ConfigError, match="torchrun starts"):
         read_config(EXAMPLES / "gpt3_175b_3d.sh", num_gpus=512)
+    # the lines to change, as a launch script takes them: a switch added or removed, full recomputation with its method
+    plain = read.job.replace(num_chunks=1, schedule="1f1b", recompute="full", sequence_parallel=False)
+    assert read.changes(plain) == ["remove --num-layers-per-virtual-pipeline-stage",
+                                   "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                                   "remove --sequence-parallel"]
 
 
 def test_command_line_report_and_json(capsys):

@@ -21,6 +21,7 @@ Megatron's conventions, and how the course counts them:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shlex
@@ -76,14 +77,18 @@ NOT_MODELLED = {
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
-def spell(job: Job) -> dict[str, str]:
-    """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it)."""
-    layers_per_chunk = job.config.num_layers // (job.mesh.pp * job.num_chunks)
+def spell(job: Job, virtual_stages: bool = False) -> dict[str, str]:
+    """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it).
+    ``virtual_stages``: the file gives interleaving as --num-virtual-stages-per-pipeline-rank, not as layers."""
+    if virtual_stages:
+        interleaving = {"--num-virtual-stages-per-pipeline-rank": str(job.num_chunks) if job.num_chunks > 1 else "(off)"}
+    else:
+        layers = job.config.num_layers // (job.mesh.pp * job.num_chunks)
+        interleaving = {"--num-layers-per-virtual-pipeline-stage": str(layers) if job.num_chunks > 1 else "(off)"}
     recompute = {"none": "(off)", "selective": "selective",
                  "full": "full --recompute-method uniform --recompute-num-layers 1"}[job.recompute]
     return {"--tensor-model-parallel-size": str(job.mesh.tp), "--pipeline-model-parallel-size": str(job.mesh.pp),
-            "--num-layers-per-virtual-pipeline-stage": str(layers_per_chunk) if job.num_chunks > 1 else "(off)",
-            "--micro-batch-size": str(job.micro_batch_size), "--recompute-granularity": recompute,
+            **interleaving, "--micro-batch-size": str(job.micro_batch_size), "--recompute-granularity": recompute,
             "--sequence-parallel": "(on)" if job.sequence_parallel else "(off)",
             "--use-distributed-optimizer": "(on)" if job.zero_stage == 1 else "(off)"}
 
@@ -180,7 +185,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         raise ConfigError(f"{where}: " + "; ".join(problems))
     name = f"GPT {config.num_layers} layers × {config.hidden} wide" + (
         f", {config.num_experts} experts" if config.num_experts else "")
-    return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown, spell,
+    virtual_stages = "num-virtual-stages-per-pipeline-rank" in args
+    return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
+                      functools.partial(spell, virtual_stages=virtual_stages),
                       dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0)
 
 
