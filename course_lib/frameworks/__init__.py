@@ -2,7 +2,7 @@
 
     read_config("train.toml", num_gpus=8)                       # torchtitan
     read_config("pretrain_gpt.sh", num_gpus=64)                 # Megatron-LM's arguments, from a launch script
-    read_config("ds_config.json", num_gpus=8, model="config.json")   # DeepSpeed, with a Hugging Face config.json
+    read_config("ds_config.json", num_gpus=8, model="config.json", seq_len=4096)   # DeepSpeed, with a HF config.json
 
 Each reader (torchtitan.py, megatron.py, deepspeed.py; huggingface.py for the model) knows its framework's
 documented keys and conventions, and returns a :class:`ReadConfig`: the Job, what the framework does that the
