@@ -47,7 +47,7 @@ from .per_rank import (
 from .pipeline_parallel import bubble_fraction
 from .plan import TIE_SHARE
 from .published import held_out_errors, regime_of
-from .recipes import RESERVE_SHARE, Workload, compare_recipes, size_text
+from .recipes import RESERVE_SHARE, Workload, compare_recipes, size_text, stage_name
 from .units import GiB
 from .virtual import run_rank
 
@@ -320,9 +320,7 @@ def _count(number: int, thing: str) -> str:
 
 
 def _zero_text(report: dict) -> str:
-    if report["mesh"].startswith("Mesh(dp=1,"):
-        return "no data parallelism"
-    return "DDP" if report["zero_stage"] == 0 else f"ZeRO-{report['zero_stage']}"
+    return "no data parallelism" if report["mesh"].startswith("Mesh(dp=1,") else stage_name(report["zero_stage"])
 
 
 def _band_text(band: dict) -> str:
