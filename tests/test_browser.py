@@ -1,8 +1,9 @@
 """End to end, as a learner: real JupyterLab in headless Chromium opens every notebook fresh (no raw widget text,
 no answer on screen, no prediction's reveal showing anything), runs it from the menu (each reveal then asks for a
-guess first), moves one control of its explorer and sees the figure change; in notebook 00 it also answers the
-exercise wrong and then right, asks for a world far beyond the machine, and stops a long %%ranks cell with the
-stop button.
+guess first, and no prediction's answer is anywhere on the page above its reveal, before or after the run), guesses
+each prediction wrong and then right and re-runs its reveal (the same answer, the right verdict), moves one control
+of its explorer and sees the figure change; in notebook 00 it also answers the exercise wrong and then right, asks
+for a world far beyond the machine, and stops a long %%ranks cell with the stop button.
 
 Needs Debian's `chromium` (`.ci/run` installs it) and the `playwright` package, which drives that system
 browser (no browser download). Skipped where chromium is missing, unless COURSE_REQUIRE_BROWSER=1 (as in CI).
@@ -23,6 +24,7 @@ import psutil
 import pytest
 
 from conftest import REPO, gone
+from course_lib.presentation.predict import format_value
 
 pytestmark = pytest.mark.browser   # run apart with: pytest -m browser
 
@@ -202,6 +204,104 @@ def check_no_reveal_shows_an_answer(page, name: str, *, ran: bool) -> None:
             assert said.strip() == "", f"{name}: a reveal shows output before anything ran: {said[:200]}"
 
 
+PREDICTION = re.compile(r"^(\w+) = (?:predict\.)?Prediction\(", re.M)
+
+
+def predictions(name: str) -> list[tuple[str, int, int]]:
+    """Each prediction of a notebook: its variable, the code cell that makes it and the one that reveals it."""
+    sources = code_cell_sources(name)
+    found = []
+    for made, source in enumerate(sources):
+        for variable in PREDICTION.findall(source):
+            reveal = next(i for i in range(made, len(sources)) if f"{variable}.reveal(" in sources[i])
+            found.append((variable, made, reveal))
+    return found
+
+
+def rendered_cells(page) -> list[str]:
+    """What the page shows of every cell (markdown as rendered, code with its outputs), in order."""
+    return page.locator(".jp-Notebook .jp-Cell").evaluate_all("cells => cells.map(cell => cell.innerText)")
+
+
+def kernel_answers(page) -> dict[str, tuple[float, float, float]]:
+    """Each Prediction's answer (the number its reveal was given) and the range its box takes, asked of the
+    kernel in a new cell at the end, after Run All."""
+    add_cell(page, "import json\nfrom course_lib.presentation.predict import Prediction\nprint('ANSWERS', json.dumps("
+                   "{k: (v.answer, v.low, v.high) for k, v in dict(globals()).items() if isinstance(v, Prediction) and "
+                   "not k.startswith('_')}))")   # not IPython's _, __ and _13, the same objects again
+    said = page.locator(".jp-OutputArea-output", has_text="ANSWERS {")
+    wait_for(lambda: said.count() == 1, 60, "the answers")
+    return {k: tuple(v) for k, v in json.loads(said.inner_text().split("ANSWERS", 1)[1]).items()}
+
+
+def check_no_answer_above_its_reveal(name: str, shown: list[str], answers: dict) -> None:
+    """No prediction's answer, as its reveal would print it, in any cell from the top through its reveal cell:
+    rendered text, outputs and every line of the code (the editor draws only the lines in view). An answer of one
+    digit is too common to look for (it is still held back by the reveal and by working())."""
+    cells = json.loads((REPO / "notebooks" / name).read_text())["cells"]
+    code_cells = [i for i, cell in enumerate(cells) if cell["cell_type"] == "code"]
+    for variable, _, reveal in predictions(name):
+        number = format_value(answers[variable][0])
+        if sum(c.isdigit() for c in number) < 2:
+            continue
+        last = code_cells[reveal]
+        sources = ["".join(cell["source"]) for cell in cells[:last + 1]
+                   if not cell.get("metadata", {}).get("jupyter", {}).get("source_hidden")]
+        page_text = "\n".join(shown[:last + 1] + sources)
+        found = re.search(rf"(?<![\d.,]){re.escape(number)}(?!\d|[.,]\d)", page_text)
+        assert not found, (f"{name}: {variable}'s answer {number} is on the page before its reveal: "
+                           f"...{page_text[max(found.start() - 120, 0):found.end() + 40]}...")
+
+
+def run_cell(page, lab, cell, seconds: float = 120) -> None:
+    """Select a cell by its prompt and run it (Ctrl+Enter); wait for its new execution count."""
+    url, token, *_ = lab
+    prompt = cell.locator(".jp-InputPrompt")
+    before = prompt.inner_text()
+    prompt.click()
+    page.keyboard.press("Control+Enter")
+    wait_for(lambda: re.search(r"\[\d+\]", prompt.inner_text()) and prompt.inner_text() != before
+             and kernel_state(url, token) == "idle", seconds, "the cell to run")
+
+
+def guess_and_reveal(page, lab, made: int, reveal: int, guess: float) -> str:
+    """Run the prediction's cell again (a fresh box), type ``guess``, lock it in, re-run the reveal: its output."""
+    cells = page.locator(".jp-CodeCell")
+    run_cell(page, lab, cells.nth(made))
+    box = cells.nth(made).locator(".widget-text input")
+    box.fill(f"{guess:.12g}")
+    box.press("Enter")
+    cells.nth(made).get_by_role("button", name="lock it in").click()
+    wait_for(lambda: "Locked in" in cells.nth(made).locator(".jp-OutputArea").inner_text(), 20, "the guess locked in")
+    run_cell(page, lab, cells.nth(reveal))
+    said = cells.nth(reveal).locator(".jp-OutputArea")
+    try:
+        wait_for(lambda: "you predicted" in said.inner_text(), 30, "the reveal's verdict")
+    except AssertionError:
+        raise AssertionError(f"no verdict after a guess of {guess:g}: the reveal says {said.inner_text()[:500]!r}")
+    return said.inner_text()
+
+
+VERDICT = re.compile(r"you predicted (-?[\d,.]+)[^;]*; .*?: (-?[\d,.]+)")
+
+
+def check_reveals_after_a_wrong_and_a_right_guess(page, lab, name: str, answers: dict) -> None:
+    """Each reveal, re-run after a wrong guess (the end of the box's range farther from the answer) and then after
+    the right one: the answer Run All gave (a measured time may move by a quarter; stale state, a folder left from
+    the last run, moves it more) and the verdict its numbers call for."""
+    for variable, made, reveal in predictions(name):
+        answer, low, high = answers[variable]
+        wrong = low if abs(answer - low) > abs(answer - high) else high
+        for guess in (wrong, float(format_value(answer).replace(",", ""))):
+            said = guess_and_reveal(page, lab, made, reveal, guess)
+            guessed, stated = (float(x.replace(",", "")) for x in VERDICT.search(said).groups())
+            assert abs(stated - answer) <= 0.25 * abs(answer), (f"{name}: {variable} re-run gives {stated:g}, "
+                                                                f"Run All gave {answer:g}: {said[:300]}")
+            close = abs(guessed - stated) <= 0.05 * abs(stated)
+            verdicts = ("within 5%", "exactly right") if close else ("off by",)
+            assert any(v in said for v in verdicts), f"{name}: {variable} guessed {guess:g}: {said[:300]}"
+
+
 def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
     """Clear every output, then run every cell, through the menus as a learner would; every cell ran (Run All
     stops at an error, except in cells tagged raises-exception) and only the errors shown on purpose appear."""
@@ -292,8 +392,15 @@ def test_a_learner_opens_a_notebook_runs_it_from_the_menu_and_moves_its_explorer
     open_fresh(page, lab, name)
     check_nothing_raw_and_no_answer_shown(page, name)
     check_no_reveal_shows_an_answer(page, name, ran=False)
+    fresh = rendered_cells(page)
     clear_and_run_all(page, lab, name)
     check_no_reveal_shows_an_answer(page, name, ran=True)
+    if predictions(name):
+        ran = rendered_cells(page)
+        answers = kernel_answers(page)
+        for shown in (fresh, ran):
+            check_no_answer_above_its_reveal(name, shown, answers)
+        check_reveals_after_a_wrong_and_a_right_guess(page, lab, name, answers)
     if "explorers." in (REPO / "notebooks" / name).read_text():   # notebooks with an explorer panel
         move_one_control_and_see_the_figure_change(page, name)
 

@@ -67,10 +67,12 @@ class Prediction(widgets.VBox):
     """A question, a number box and a "lock it in" button; ``guess`` holds the locked-in number, or None.
 
     ``low``..``high`` is the range the box accepts: a number outside it is not locked in, and the note says why
-    (nothing is clamped silently)."""
+    (nothing is clamped silently). ``answer`` holds the last number a reveal was given (guess or not), so that a
+    test can look for it on the page before the reveal runs."""
 
     def __init__(self, question: str, *, unit: str = "", low: float = 0.0, high: float = 100.0, step: float = 1.0):
         self.question, self.unit, self.low, self.high, self.guess = question, unit, low, high, None
+        self.answer = None
         self.box = widgets.FloatText(value=low, step=step, description="my guess", layout=widgets.Layout(width="220px"))
         self.button = widgets.Button(description="lock it in", button_style="info")
         self.note = widgets.HTML(f"<i>a number from {format_value(low)} to {format_value(high)}</i>")
@@ -92,6 +94,7 @@ class Prediction(widgets.VBox):
         """One line for the cell that works the number out: the guess beside the answer, with a verdict.
 
         Without a locked guess the answer is not shown: the cell's other lines may still show the working."""
+        self.answer = actual
         if self.guess is None:
             return (f"{how}: {LOCK_FIRST} (the box above, then run this cell again): the answer waits for your "
                     "prediction")
