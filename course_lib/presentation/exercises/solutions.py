@@ -190,6 +190,19 @@ def global_norm(grads, is_split, tp_rank, comm):
     return total.sqrt()
 
 
+def micro_batch_loss(logits, targets, *, real_tokens, world_size, accumulation):
+    """The reference answer to notebook 11's exercise: the loss of one micro-batch of gradient accumulation.
+
+    Every real token of the global batch must weigh the same, whichever micro-batch and rank it is on: add this
+    micro-batch's token losses (padding ignored) and divide by the real tokens of the whole batch. The gradients
+    are then averaged over the ranks, a division by world_size: multiply it back. ``accumulation`` is not needed:
+    real_tokens already counts every micro-batch's tokens.
+    """
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                             reduction="sum")
+    return loss * world_size / real_tokens
+
+
 BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name>) → its reference answer
     "mean_over_ranks": mean_over_ranks,
     "mlp_saved_bytes": mlp_saved_bytes,
@@ -203,6 +216,7 @@ BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name
     "layout_at_scale": layout_at_scale,
     "own_job": own_job,
     "global_norm": global_norm,
+    "micro_batch_loss": micro_batch_loss,
 }
 
 

@@ -1,0 +1,133 @@
+"""Incidents that hang, or wait: ranks that disagree on which collective or send comes next, and a rank that is
+slower than the others."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...comm import Comm
+from ...data import shard
+from ...model import loss_fn
+from ...pipeline_parallel import make_stage, partition_layers
+from .common import BATCH_SIZE, LR, SEQ_LEN, STEPS, average_gradients, flat, sgd_step, tiny
+
+
+def checked_comm(debug: bool) -> Comm:
+    """The world's Comm; with ``debug``, over a new group made under TORCH_DISTRIBUTED_DEBUG=DETAIL's level
+    (dist.set_debug_level), whose every collective first compares its kind and shapes across the ranks: a
+    mismatch is an error naming both ranks' collectives instead of a hang. The level is set back at once."""
+    if not debug:
+        return Comm()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        return Comm(dist.new_group(list(range(dist.get_world_size()))))
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+
+
+def uneven_shards(rank: int, world_size: int, *, fixed: bool = False, debug: bool = False) -> dict:
+    """Data parallelism over a dataset of STEPS × BATCH_SIZE - 1 rows, each rank reading every world_size-th row
+    (DistributedSampler's way) in batches of BATCH_SIZE / world_size.
+
+    The bug: each rank drops only its own short last batch, so rank 0, with a row more, takes one step more; its
+    gradient all-reduce waits for ranks that have gone on to the barrier before saving. The fix: every rank counts
+    the steps from the whole dataset (whole global batches, as DistributedSampler(drop_last=True)), so all call the
+    same collectives. ``debug``: the collectives checked (checked_comm)."""
+    model, optimizer, data = tiny()
+    inputs, targets = (torch.cat(parts) for parts in zip(*(data.batch(step, BATCH_SIZE) for step in range(STEPS))))
+    rows = len(inputs) - 1                             # a dataset whose size is no multiple of the batch
+    inputs, targets = inputs[:rows][rank::world_size], targets[:rows][rank::world_size]
+    local = BATCH_SIZE // world_size
+    num_steps = rows // BATCH_SIZE if fixed else len(inputs) // local
+    comm = checked_comm(debug)
+    losses = []
+    for step in range(num_steps):
+        batch = slice(step * local, (step + 1) * local)
+        losses.append(sgd_step(model, optimizer, inputs[batch], targets[batch],
+                               lambda m: average_gradients(m, comm)))
+    comm.barrier()                                     # every rank done before the checkpoint is written
+    return {"steps": num_steps, "losses": losses, "weights": flat(model)}
+
+
+def pipeline_sends(rank: int, world_size: int, *, fixed: bool = False, num_microbatches: int = 2) -> dict:
+    """Two pipeline stages, 1F1B over ``num_microbatches`` micro-batches, with blocking send and recv.
+
+    The bug: in 1F1B's steady state stage 0 sends micro-batch i+1's activations while stage 1 sends micro-batch
+    i's gradient back; each send waits for its receive, and each rank posts its receive only after its send: both
+    wait forever. The fix: post the pair together (Comm.exchange, torch's batch_isend_irecv), as Megatron-LM's
+    send_forward_recv_backward does. Returns each stage's weights by name."""
+    if world_size != 2:
+        raise ValueError(f"world_size={world_size}: this incident is a pipeline of 2 stages, one per rank")
+    model, _, data = tiny()
+    stage = make_stage(model, rank, partition_layers(model.config.num_layers, 2))
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    comm, m = Comm(), num_microbatches
+    shape = (BATCH_SIZE // m, SEQ_LEN, model.config.hidden)
+
+    def send_then_receive(outgoing: torch.Tensor) -> torch.Tensor:
+        incoming = torch.empty(shape, dtype=torch.float64)
+        if fixed:
+            for work in comm.exchange(sends=[(outgoing, 1 - rank)], recvs=[(incoming, 1 - rank)]):
+                work.wait()
+        else:
+            comm.send(outgoing, 1 - rank)
+            comm.recv(incoming, 1 - rank)
+        return incoming
+
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = (t.chunk(m) for t in data.batch(step, BATCH_SIZE))
+        optimizer.zero_grad()
+        if rank == 0:
+            outputs = [stage(inputs[0])]
+            comm.send(outputs[0].detach(), 1)
+            for i in range(m):
+                if i + 1 < m:                          # steady state: forward i+1, then swap with the gradient of i
+                    outputs.append(stage(inputs[i + 1]))
+                    grad = send_then_receive(outputs[i + 1].detach())
+                else:
+                    comm.recv(grad := torch.empty(shape, dtype=torch.float64), 1)
+                outputs[i].backward(grad)
+        else:
+            comm.recv(hidden := torch.empty(shape, dtype=torch.float64), 0)
+            total = 0.0
+            for i in range(m):
+                hidden.requires_grad_()
+                loss = loss_fn(stage(hidden), targets[i]) / m
+                loss.backward()
+                total += loss.item()
+                if i + 1 < m:
+                    hidden = send_then_receive(hidden.grad)
+                else:
+                    comm.send(hidden.grad, 0)
+            losses.append(total)
+        optimizer.step()
+    return {"losses": losses, "weights": {name: p.detach().clone() for name, p in stage.named_parameters()}}
+
+
+def straggler(rank: int, world_size: int, *, fixed: bool = False, slow_rank: int = 1, delay_s: float = 0.2) -> dict:
+    """Data parallelism where rank ``slow_rank`` takes ``delay_s`` longer for each forward (a throttled GPU, a
+    busy host, a slow data loader). Nothing fails: every rank's step takes as long as the slowest, and the others
+    spend the difference waiting inside the gradient all-reduce, so the straggler is the rank that waits least.
+    "The fix" is a machine without it (fixed=True). Returns each step's seconds and its seconds in the all-reduce."""
+    model, optimizer, data = tiny()
+    comm = Comm()
+    step_s, wait_s = [], []
+
+    def timed_average(m):
+        start = time.perf_counter()
+        average_gradients(m, comm)
+        wait_s.append(time.perf_counter() - start)
+
+    comm.barrier()
+    for step in range(STEPS):
+        start = time.perf_counter()
+        if rank == slow_rank and not fixed:
+            time.sleep(delay_s)
+        inputs, targets = (shard(t, rank, world_size) for t in data.batch(step, BATCH_SIZE))
+        sgd_step(model, optimizer, inputs, targets, timed_average)
+        step_s.append(time.perf_counter() - start)
+    return {"step_s": step_s, "wait_s": wait_s, "weights": flat(model)}

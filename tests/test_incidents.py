@@ -1,0 +1,137 @@
+"""course_lib.presentation.incidents: each incident, run live on 2 ranks, shows its symptom with the bug (a hang
+named within seconds, replicas that disagree, weights more than 1e-3 from the one-process float64 reference), and
+with the fix equals that reference to 1e-12."""
+
+import statistics
+import time
+
+import pytest
+
+from course_lib import launch
+from course_lib.presentation import incidents
+from course_lib.presentation.incidents import hangs, numerics, replicas
+from course_lib.runtime.launch import RankError, RankTimeout
+
+pytestmark = pytest.mark.ranks
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return incidents.flat(incidents.reference())
+
+
+def test_uneven_shards_hang_names_where_each_rank_waits_and_the_fix_matches_the_reference():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as hang:
+        launch(incidents.uneven_shards, 2, timeout=5)
+    assert time.monotonic() - start < 30
+    said = str(hang.value)
+    rank0, rank1 = said.split("where rank 1 was")
+    assert "in all_reduce" in rank0 and "in barrier" in rank1, said       # rank 0 waits a step ahead of rank 1
+    fixed = launch(incidents.uneven_shards, 2, fixed=True)
+    assert [result["steps"] for result in fixed] == [2, 2]
+    expected = incidents.flat(incidents.reference(2))
+    assert max(incidents.gap(result["weights"], expected) for result in fixed) < 1e-12
+
+
+def test_uneven_shards_under_detail_debug_is_a_mismatch_error_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="Detected mismatch between collectives"):
+        launch(incidents.uneven_shards, 2, timeout=20, debug=True)
+    assert time.monotonic() - start < 10                  # no waiting for the timeout
+    fixed = launch(incidents.uneven_shards, 2, fixed=True, debug=True)
+    assert incidents.gap(fixed[0]["weights"], incidents.flat(incidents.reference(2))) < 1e-12
+
+
+def test_unsynced_init_replicas_disagree_until_rank_0_s_weights_are_broadcast(reference):
+    buggy = launch(incidents.unsynced_init, 2)
+    sums = buggy[0]["checksums"]
+    assert abs(sums[0] - sums[1]) > 1e-3 and incidents.gap(buggy[1]["weights"], reference) > 1e-3
+    fixed = launch(incidents.unsynced_init, 2, fixed=True)
+    assert fixed[0]["checksums"][0] == fixed[0]["checksums"][1]
+    assert max(incidents.gap(result["weights"], reference) for result in fixed) < 1e-12
+
+
+def test_same_batch_replicas_agree_yet_drift_from_the_reference(reference):
+    buggy = launch(incidents.same_batch, 2)
+    assert buggy[0]["checksums"][0] == buggy[0]["checksums"][1]          # the checksums cannot see this one
+    assert incidents.gap(buggy[0]["weights"], reference) > 1e-3
+    fixed = launch(incidents.same_batch, 2, fixed=True)
+    assert max(incidents.gap(result["weights"], reference) for result in fixed) < 1e-12
+
+
+def test_token_mean_accumulation_differs_from_the_big_batch_step_until_tokens_are_counted_globally():
+    expected = numerics.token_mean_reference()
+    assert incidents.gap(launch(numerics.token_mean, 2)[0]["weights"], expected) > 1e-3
+    fixed = launch(numerics.token_mean, 2, fixed=True)
+    assert max(incidents.gap(result["weights"], expected) for result in fixed) < 1e-12
+
+
+def test_pad_leaves_rows_of_different_lengths():
+    targets = numerics.pad(incidents.common.tiny()[2].batch(0, 8)[1], 0)
+    lengths = (targets != numerics.IGNORE).sum(dim=1).tolist()
+    assert len(set(lengths)) > 3 and min(lengths) >= 2
+
+
+def test_tp_norm_counted_on_every_rank_clips_too_hard_until_each_element_counts_once():
+    expected = numerics.tp_norm_reference()
+    for fixed, low, high in ((False, 1e-3, float("inf")), (True, 0.0, 1e-12)):
+        result = launch(numerics.tp_norm, 2, fixed=fixed)[0]
+        norm_gap = max(abs(a - b) for a, b in zip(result["norms"], expected["norms"]))
+        weight_gap = max(incidents.gap(weights, expected["weights"][name])
+                         for name, weights in result["replicated"].items())
+        assert low < norm_gap < high and low < weight_gap < high, (fixed, norm_gap, weight_gap)
+    assert all(a > b for a, b in zip(launch(numerics.tp_norm, 2)[0]["norms"], expected["norms"]))   # too big
+
+
+def test_pipeline_sends_both_stages_wait_in_send_until_the_pairs_are_posted_together():
+    with pytest.raises(RankTimeout) as hang:
+        launch(hangs.pipeline_sends, 2, timeout=5)
+    rank0, rank1 = str(hang.value).split("where rank 1 was")
+    assert "in send" in rank0 and "in send" in rank1, str(hang.value)
+    expected = {name: p.detach() for name, p in incidents.reference().named_parameters()}
+    fixed = launch(hangs.pipeline_sends, 2, fixed=True)
+    assert sorted(n for result in fixed for n in result["weights"]) == sorted(expected)   # the two stages: all
+    assert max(incidents.gap(weights, expected[name]) for result in fixed
+               for name, weights in result["weights"].items()) < 1e-12
+    with pytest.raises(ValueError, match="world_size=3"):
+        hangs.pipeline_sends(0, 3)
+
+
+def test_straggler_every_rank_as_slow_as_it_and_the_straggler_waits_least(reference):
+    delay = 0.2
+    slow = launch(hangs.straggler, 2, delay_s=delay)
+    waits = [statistics.median(result["wait_s"]) for result in slow]
+    assert waits[0] - waits[1] > delay / 2, waits                  # rank 0 waits in the all-reduce for rank 1
+    assert min(statistics.median(result["step_s"]) for result in slow) > delay
+    fast = launch(hangs.straggler, 2, delay_s=delay, fixed=True)
+    assert statistics.median(fast[0]["step_s"]) < statistics.median(slow[0]["step_s"]) - delay / 2
+    assert max(incidents.gap(result["weights"], reference) for result in slow + fast) < 1e-12   # only slower
+
+
+def test_zero_resume_with_rank_0_s_shard_everywhere_drifts_until_each_rank_loads_its_own(tmp_path):
+    expected = incidents.flat(incidents.reference(momentum=replicas.MOMENTUM))
+    (tmp_path / "bug").mkdir(), (tmp_path / "fix").mkdir()
+    buggy = launch(replicas.zero_resume, 2, root=str(tmp_path / "bug"))
+    assert incidents.gap(buggy[0]["weights"], expected) > 1e-3
+    fixed = launch(replicas.zero_resume, 2, root=str(tmp_path / "fix"), fixed=True)
+    assert max(incidents.gap(result["weights"], expected) for result in fixed) < 1e-12
+
+
+def test_the_micro_batch_loss_checker_names_each_wrong_fix(capsys):
+    from course_lib.presentation import exercises
+    cross_entropy = numerics.F.cross_entropy
+
+    def summed(logits, targets):
+        return cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=numerics.IGNORE, reduction="sum")
+
+    wrong = {"per-micro-batch mean": numerics.mean_per_micro_batch,
+             "number of ranks": lambda logits, targets, *, real_tokens, world_size, accumulation:
+                 summed(logits, targets) / real_tokens,
+             "number of micro-batches": lambda logits, targets, *, real_tokens, world_size, accumulation:
+                 summed(logits, targets) * world_size / real_tokens / accumulation}
+    for words, answer in wrong.items():
+        assert exercises.check_micro_batch_loss(answer) is False
+        said = capsys.readouterr().out
+        assert words in said and "✓" not in said, said
+    assert exercises.check_micro_batch_loss(numerics.mean_over_the_batch) is True
