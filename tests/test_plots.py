@@ -353,6 +353,17 @@ def test_every_public_function_of_plots_is_tested_here():
     assert len(public) >= 17 and public - called == set()
 
 
+def test_trace_timeline_draws_two_rows_per_rank_from_the_traces_intervals():
+    from test_traces import HAND_MADE
+    fig = plots.trace_timeline([HAND_MADE, HAND_MADE])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 compute", "rank 0 communication",
+                                                            "rank 1 compute", "rank 1 communication"]
+    bars = [collection.get_paths() for collection in ax.collections]
+    assert [len(paths) for paths in bars] == [2, 2, 2, 2]            # 2 compute spans, 2 transfers, per rank
+    plt.close(fig)
+
+
 # ---- 08 · mixture of experts (tests/test_plots_experts.py checks them in full) --------------------------
 
 def test_the_expert_figures_draw_a_routing_and_the_drops_by_capacity():
