@@ -88,7 +88,7 @@ def test_solution_prints_the_reference_answer_of_the_checkers_notebook(capsys, c
     exercises.solution(exercise)
     shown = capsys.readouterr().out
     assert shown.strip() == inspect.getsource(solutions.BY_EXERCISE[exercise]).strip()
-    assert f"The reference answer to notebook {notebook}'s exercise" in shown, shown
+    assert f"The reference answer to notebook {notebook}'s exercise" in shown, shown   # "exercise 1:" where several
 
 
 def test_solution_of_an_unknown_exercise_lists_the_exercises(capsys):

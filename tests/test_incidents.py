@@ -135,3 +135,21 @@ def test_the_micro_batch_loss_checker_names_each_wrong_fix(capsys):
         said = capsys.readouterr().out
         assert words in said and "✓" not in said, said
     assert exercises.check_micro_batch_loss(numerics.mean_over_the_batch) is True
+
+
+def test_the_pipeline_swap_checker_reports_the_deadlock_with_a_hint_and_takes_either_fix(capsys):
+    from course_lib.presentation import exercises
+
+    def lower_rank_sends_first(comm, outgoing, incoming, peer):
+        if comm.rank < peer:
+            comm.send(outgoing, peer)
+            comm.recv(incoming, peer)
+        else:
+            comm.recv(incoming, peer)
+            comm.send(outgoing, peer)
+
+    assert exercises.check_pipeline_swap(hangs.send_then_receive) is False
+    said = capsys.readouterr().out
+    assert "did not finish within 10 s" in said and "in send" in said and "Hint" in said, said
+    for right in (hangs.posted_together, lower_rank_sends_first):
+        assert exercises.check_pipeline_swap(right) is True

@@ -14,6 +14,7 @@ from .context import check_lse_merge as _check_lse_merge
 from .ddp import check_accumulation_step as check_accumulation_step
 from .experts import check_expert_exchange as _check_expert_exchange
 from .incidents import check_micro_batch_loss as _check_micro_batch_loss
+from .incidents import check_pipeline_swap as _check_pipeline_swap
 from .layout import check_3d_layout as _check_3d_layout
 from .memory_ledger import check_mlp_saved_bytes as check_mlp_saved_bytes
 from .pipeline import check_one_f_one_b as check_one_f_one_b
@@ -34,3 +35,4 @@ check_layout_at_scale = exercise(_check_layout_at_scale)
 check_own_job = exercise(_check_own_job)
 check_global_norm = exercise(_check_global_norm)
 check_micro_batch_loss = exercise(_check_micro_batch_loss)
+check_pipeline_swap = exercise(_check_pipeline_swap)

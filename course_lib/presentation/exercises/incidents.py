@@ -1,9 +1,10 @@
-"""The checker of notebook 11's exercise (the micro-batch loss that makes gradient accumulation equal the big-batch
-step); the package's __init__ wraps and re-exports it."""
+"""The checkers of notebook 11's exercises (the pipeline's swap that cannot deadlock; the micro-batch loss that makes
+gradient accumulation equal the big-batch step); the package's __init__ wraps and re-exports them."""
 
 import torch
 
-from ..incidents.common import tiny
+from ..incidents.common import reference, tiny
+from ..incidents.hangs import pipeline_sends
 from ..incidents.numerics import (
     IGNORE,
     mean_over_the_batch,
@@ -63,3 +64,31 @@ def check_micro_batch_loss(loss_of) -> bool:
         print("  Each real token of the global batch must weigh the same: its loss / (the batch's real tokens)")
     return False
 
+
+
+def check_pipeline_swap(swap) -> bool:
+    """11: ``swap(comm, outgoing, incoming, peer)`` must send ``outgoing`` to rank ``peer`` of ``comm`` and fill
+    ``incoming`` with what ``peer`` sends, at a moment when ``peer`` is doing the same: two pipeline stages in
+    1F1B's steady state. Run live in incident 2's pipeline (2 stages, 3 steps), whose weights must equal one
+    process's to 1e-12, within 10 s (a deadlock is reported with where each rank waits)."""
+    try:
+        swap(None, None, None, 0)            # an unfinished answer raises at once, before any rank starts
+    except NotImplementedError:
+        print(NOT_DONE)
+        return False
+    except Exception:                        # an answer that needs a real Comm: run it
+        pass
+    results = run_on_ranks(pipeline_sends, WORLD_SIZE, what="pipeline", timeout=10.0, swap=swap)
+    if results is None:
+        print("  Hint: a blocking send finishes only when its receive is posted. Post both at once (comm.exchange, "
+              "torch's batch_isend_irecv), or let one rank receive first (comm.rank tells you which rank you are)")
+        return False
+    expected = {name: p.detach() for name, p in reference().named_parameters()}
+    gap = max((weights - expected[name]).abs().max().item() for stage in results
+              for name, weights in stage["weights"].items())
+    if gap > ATOL:
+        print(f"✗ no deadlock, but the stages' weights end {gap:.2e} from one process's: does ``incoming`` hold what "
+              "the peer sent (filled in place) before you return?")
+        return False
+    print(f"✓ correct: no deadlock, and both stages' weights equal one process's (largest gap {gap:.1e})")
+    return True

@@ -191,7 +191,7 @@ def global_norm(grads, is_split, tp_rank, comm):
 
 
 def micro_batch_loss(logits, targets, *, real_tokens, world_size, accumulation):
-    """The reference answer to notebook 11's exercise: the loss of one micro-batch of gradient accumulation.
+    """The reference answer to notebook 11's exercise 2: the loss of one micro-batch of gradient accumulation.
 
     Every real token of the global batch must weigh the same, whichever micro-batch and rank it is on: add this
     micro-batch's token losses (padding ignored) and divide by the real tokens of the whole batch. The gradients
@@ -201,6 +201,18 @@ def micro_batch_loss(logits, targets, *, real_tokens, world_size, accumulation):
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
                                              reduction="sum")
     return loss * world_size / real_tokens
+
+
+def pipeline_swap(comm, outgoing, incoming, peer):
+    """The reference answer to notebook 11's exercise 1: two pipeline stages that both have something to send.
+
+    A blocking send finishes only once the peer has posted its receive; if both ranks send first, both wait
+    forever. Posting the send and the receive together (torch's batch_isend_irecv, here Comm.exchange) lets both
+    transfers start at once; then wait for both. (Ordering by rank works too: the lower rank sends first, the
+    higher receives first.)
+    """
+    for work in comm.exchange(sends=[(outgoing, peer)], recvs=[(incoming, peer)]):
+        work.wait()
 
 
 BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name>) → its reference answer
@@ -217,6 +229,7 @@ BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name
     "own_job": own_job,
     "global_norm": global_norm,
     "micro_batch_loss": micro_batch_loss,
+    "pipeline_swap": pipeline_swap,
 }
 
 

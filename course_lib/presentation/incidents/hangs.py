@@ -52,29 +52,40 @@ def uneven_shards(rank: int, world_size: int, *, fixed: bool = False, debug: boo
     return {"steps": num_steps, "losses": losses, "weights": flat(model)}
 
 
-def pipeline_sends(rank: int, world_size: int, *, fixed: bool = False, num_microbatches: int = 2) -> dict:
-    """Two pipeline stages, 1F1B over ``num_microbatches`` micro-batches, with blocking send and recv.
+def send_then_receive(comm: Comm, outgoing: torch.Tensor, incoming: torch.Tensor, peer: int) -> None:
+    """The bug: a blocking send, then a blocking receive. Two ranks that both send first wait for each other."""
+    comm.send(outgoing, peer)
+    comm.recv(incoming, peer)
+
+
+def posted_together(comm: Comm, outgoing: torch.Tensor, incoming: torch.Tensor, peer: int) -> None:
+    """The fix: the send and the receive posted as one batch (torch's batch_isend_irecv), then both waited for."""
+    for work in comm.exchange(sends=[(outgoing, peer)], recvs=[(incoming, peer)]):
+        work.wait()
+
+
+def pipeline_sends(rank: int, world_size: int, *, fixed: bool = False, num_microbatches: int = 2,
+                   swap=None) -> dict:
+    """Two pipeline stages, 1F1B over ``num_microbatches`` micro-batches, exchanging through ``swap(comm,
+    outgoing, incoming, peer)`` wherever both stages have something to send (default: send_then_receive, or
+    posted_together if ``fixed``).
 
     The bug: in 1F1B's steady state stage 0 sends micro-batch i+1's activations while stage 1 sends micro-batch
     i's gradient back; each send waits for its receive, and each rank posts its receive only after its send: both
-    wait forever. The fix: post the pair together (Comm.exchange, torch's batch_isend_irecv), as Megatron-LM's
-    send_forward_recv_backward does. Returns each stage's weights by name."""
+    wait forever. The fix: post the pair together, as Megatron-LM's send_forward_recv_backward does. Returns each
+    stage's weights by name."""
     if world_size != 2:
         raise ValueError(f"world_size={world_size}: this incident is a pipeline of 2 stages, one per rank")
+    swap = swap or (posted_together if fixed else send_then_receive)
     model, _, data = tiny()
     stage = make_stage(model, rank, partition_layers(model.config.num_layers, 2))
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     comm, m = Comm(), num_microbatches
     shape = (BATCH_SIZE // m, SEQ_LEN, model.config.hidden)
 
-    def send_then_receive(outgoing: torch.Tensor) -> torch.Tensor:
+    def exchanged(outgoing: torch.Tensor) -> torch.Tensor:
         incoming = torch.empty(shape, dtype=torch.float64)
-        if fixed:
-            for work in comm.exchange(sends=[(outgoing, 1 - rank)], recvs=[(incoming, 1 - rank)]):
-                work.wait()
-        else:
-            comm.send(outgoing, 1 - rank)
-            comm.recv(incoming, 1 - rank)
+        swap(comm, outgoing, incoming, 1 - rank)
         return incoming
 
     losses = []
@@ -87,7 +98,7 @@ def pipeline_sends(rank: int, world_size: int, *, fixed: bool = False, num_micro
             for i in range(m):
                 if i + 1 < m:                          # steady state: forward i+1, then swap with the gradient of i
                     outputs.append(stage(inputs[i + 1]))
-                    grad = send_then_receive(outputs[i + 1].detach())
+                    grad = exchanged(outputs[i + 1].detach())
                 else:
                     comm.recv(grad := torch.empty(shape, dtype=torch.float64), 1)
                 outputs[i].backward(grad)
@@ -100,7 +111,7 @@ def pipeline_sends(rank: int, world_size: int, *, fixed: bool = False, num_micro
                 loss.backward()
                 total += loss.item()
                 if i + 1 < m:
-                    hidden = send_then_receive(hidden.grad)
+                    hidden = exchanged(hidden.grad)
                 else:
                     comm.send(hidden.grad, 0)
             losses.append(total)

@@ -10,7 +10,7 @@ from ...clip import counted_parameters, global_norm, naive_norm
 from ...comm import Comm
 from ...data import shard
 from ...mesh import Mesh
-from ...model import build, loss_fn, preset
+from ...model import loss_fn
 from ...tensor_parallel import apply_tp
 from .common import BATCH_SIZE, LR, STEPS, average_gradients, flat, reference, sgd_step, tiny
 
@@ -78,10 +78,10 @@ def tp_norm(rank: int, world_size: int, *, fixed: bool = False) -> dict:
     The bug: the norm adds every rank's squares of every gradient it holds, so the weights every TP rank holds
     whole (norms, embedding, head) count world_size times; the norm is too big and the clip too strong. The fix:
     each element counted by one rank (clip.counted_parameters: a replica on tp rank 0 only)."""
-    config = preset("tiny")
     comm = Comm()
-    model = apply_tp(build(config, seed=0, dtype=torch.float64), comm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    whole, _, data = tiny()
+    model = apply_tp(whole, comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)       # on the split weights
     counted = [p for _, p in counted_parameters(model, Mesh(tp=world_size), rank)]
     norms = []
 
@@ -91,7 +91,6 @@ def tp_norm(rank: int, world_size: int, *, fixed: bool = False) -> dict:
         for param in m.parameters():
             param.grad *= torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)   # torch's clip_grad_norm_ coefficient
 
-    _, _, data = tiny()
     losses = [sgd_step(model, optimizer, *data.batch(step, BATCH_SIZE), clip) for step in range(STEPS)]
     split = tp_placement(model)
     return {"norms": norms, "losses": losses,     # the weights every TP rank holds whole, to compare by name
