@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +52,13 @@ def same_batch(rank: int, world_size: int, *, fixed: bool = False) -> dict:
     return {"checksums": checksums(model, comm), "losses": losses, "weights": flat(model)}
 
 
+def _save(state, path: Path) -> None:
+    """torch.save to a temporary name, then renamed: a killed save leaves no cut file under the real name."""
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
 def zero_resume(rank: int, world_size: int, *, root: str, fixed: bool = False, steps_before: int = 2) -> dict:
     """ZeRO-1 (SGD with momentum, each rank the momentum of its shard) trained ``steps_before`` steps, saved
     under ``root`` (each rank its optimizer shard, rank 0 the weights), restarted from there and trained to STEPS.
@@ -77,9 +85,9 @@ def zero_resume(rank: int, world_size: int, *, root: str, fixed: bool = False, s
 
     model = zero(tiny()[0])
     losses = trained(model, range(steps_before))
-    torch.save(model.optimizer.state_dict(), folder / f"optimizer_rank{rank}.pt")
+    _save(model.optimizer.state_dict(), folder / f"optimizer_rank{rank}.pt")
     if rank == 0:
-        torch.save(model.module.state_dict(), folder / "weights.pt")
+        _save(model.module.state_dict(), folder / "weights.pt")
     dist.barrier()
     restarted = tiny()[0]                               # a new process would start here
     restarted.load_state_dict(torch.load(folder / "weights.pt"))
