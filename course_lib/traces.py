@@ -39,7 +39,8 @@ def merge(traces: list[dict]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans joined: a sorted list of disjoint ones."""
     merged: list[list[float]] = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
@@ -57,7 +58,7 @@ def intervals(trace: dict) -> tuple[list[tuple[float, float]], list[tuple[float,
     communication = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans if TRANSFER.match(e["name"])]
     compute = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans
                if e.get("cat") == "cpu_op" and e.get("tid") == main_thread and not e["name"].startswith(ENQUEUE)]
-    return _union(communication), _union(compute)
+    return union(communication), union(compute)
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -15,6 +15,7 @@ from ..comm import Comm
 from ..data import SyntheticTokens, shard
 from ..ddp import BucketedDDP
 from ..model import build, loss_fn, preset, widened
+from ..traces import union
 from ..units import MiB
 
 
@@ -63,10 +64,5 @@ def _kineto_quiet():
 def exposed_after(buckets: list[dict], backward_end: float) -> float:
     """The course's own clock on exposed communication: how long the buckets' all-reduces ran (issued to done,
     as BucketedDDP records them) after backward had ended, their union."""
-    spans = sorted((max(entry["issued"], backward_end), entry["done"]) for entry in buckets
-                   if entry["done"] > backward_end)
-    total, reached = 0.0, backward_end
-    for start, end in spans:
-        total += max(0.0, end - max(start, reached))
-        reached = max(reached, end)
-    return total
+    spans = [(max(entry["issued"], backward_end), entry["done"]) for entry in buckets if entry["done"] > backward_end]
+    return sum(end - start for start, end in union(spans))

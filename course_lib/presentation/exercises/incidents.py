@@ -65,7 +65,6 @@ def check_micro_batch_loss(loss_of) -> bool:
     return False
 
 
-
 def check_pipeline_swap(swap) -> bool:
     """11: ``swap(comm, outgoing, incoming, peer)`` must send ``outgoing`` to rank ``peer`` of ``comm`` and fill
     ``incoming`` with what ``peer`` sends, at a moment when ``peer`` is doing the same: two pipeline stages in

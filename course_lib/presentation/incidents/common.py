@@ -63,7 +63,8 @@ def checksums(model, comm: Comm) -> list[float]:
 
 
 def average_gradients(model, comm: Comm) -> None:
-    """Plain data parallelism: each gradient summed over the ranks and divided by their number."""
+    """Plain data parallelism: each gradient summed over the ranks and divided by their number (ddp.NaiveDDP's
+    reduction without its constructor's broadcast, which would mend unsynced_init before it could show)."""
     for param in model.parameters():
         comm.all_reduce(param.grad)
         param.grad /= comm.size
