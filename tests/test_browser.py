@@ -1,9 +1,10 @@
 """End to end, as a learner: real JupyterLab in headless Chromium opens every notebook fresh (no raw widget text,
 no answer on screen, no prediction's reveal showing anything), runs it from the menu (each reveal then asks for a
-guess first, and no prediction's answer is anywhere on the page above its reveal, before or after the run), guesses
-each prediction wrong and then right and re-runs its reveal (the same answer, the right verdict), moves one control
-of its explorer and sees the figure change; in notebook 00 it also answers the exercise wrong and then right, asks
-for a world far beyond the machine, and stops a long %%ranks cell with the stop button.
+guess first, and no prediction's answer is anywhere on the page above its reveal, before or after the run), locks
+in a guess for each prediction, wrong and right in turn, and re-runs its reveal (the same answer, the right
+verdict), moves one control of its explorer and sees the figure change; in notebook 00 it also answers the
+exercise wrong and then right, asks for a world far beyond the machine, and stops a long %%ranks cell with the
+stop button.
 
 Needs Debian's `chromium` (`.ci/run` installs it) and the `playwright` package, which drives that system
 browser (no browser download). Skipped where chromium is missing, unless COURSE_REQUIRE_BROWSER=1 (as in CI).
@@ -285,21 +286,23 @@ def guess_and_reveal(page, lab, made: int, reveal: int, guess: float) -> str:
 VERDICT = re.compile(r"you predicted (-?[\d,.]+)[^;]*; .*?: (-?[\d,.]+)")
 
 
-def check_reveals_after_a_wrong_and_a_right_guess(page, lab, name: str, answers: dict) -> None:
-    """Each reveal, re-run after a wrong guess (the end of the box's range farther from the answer) and then after
-    the right one: the answer Run All gave (a measured time may move by a quarter; stale state, a folder left from
-    the last run, moves it more) and the verdict its numbers call for."""
-    for variable, made, reveal in predictions(name):
+def check_reveals_after_a_guess(page, lab, name: str, answers: dict) -> None:
+    """Each reveal, re-run after a guess: the answer Run All gave (a measured time may move by a quarter; stale
+    state, a folder left from the last run, moves it more) and the verdict its numbers call for. The guesses
+    alternate, wrong (the end of the box's range farther from the answer) then right (the answer as printed), so
+    that a notebook with two predictions or more shows both verdicts; one re-run each, because some reveals
+    measure for seconds."""
+    for index, (variable, made, reveal) in enumerate(predictions(name)):
         answer, low, high = answers[variable]
         wrong = low if abs(answer - low) > abs(answer - high) else high
-        for guess in (wrong, float(format_value(answer).replace(",", ""))):
-            said = guess_and_reveal(page, lab, made, reveal, guess)
-            guessed, stated = (float(x.replace(",", "")) for x in VERDICT.search(said).groups())
-            assert abs(stated - answer) <= 0.25 * abs(answer), (f"{name}: {variable} re-run gives {stated:g}, "
-                                                                f"Run All gave {answer:g}: {said[:300]}")
-            close = abs(guessed - stated) <= 0.05 * abs(stated)
-            verdicts = ("within 5%", "exactly right") if close else ("off by",)
-            assert any(v in said for v in verdicts), f"{name}: {variable} guessed {guess:g}: {said[:300]}"
+        guess = float(format_value(answer).replace(",", "")) if index % 2 else wrong
+        said = guess_and_reveal(page, lab, made, reveal, guess)
+        guessed, stated = (float(x.replace(",", "")) for x in VERDICT.search(said).groups())
+        assert abs(stated - answer) <= 0.25 * abs(answer), (f"{name}: {variable} re-run gives {stated:g}, "
+                                                            f"Run All gave {answer:g}: {said[:300]}")
+        close = abs(guessed - stated) <= 0.05 * abs(stated)
+        verdicts = ("within 5%", "exactly right") if close else ("off by",)
+        assert any(v in said for v in verdicts), f"{name}: {variable} guessed {guess:g}: {said[:300]}"
 
 
 def clear_and_run_all(page, lab, name: str, seconds: float = 300) -> None:
@@ -400,7 +403,7 @@ def test_a_learner_opens_a_notebook_runs_it_from_the_menu_and_moves_its_explorer
         answers = kernel_answers(page)
         for shown in (fresh, ran):
             check_no_answer_above_its_reveal(name, shown, answers)
-        check_reveals_after_a_wrong_and_a_right_guess(page, lab, name, answers)
+        check_reveals_after_a_guess(page, lab, name, answers)
     if "explorers." in (REPO / "notebooks" / name).read_text():   # notebooks with an explorer panel
         move_one_control_and_see_the_figure_change(page, name)
 
