@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+WAIT = "c10d::wait"     # the profiler span of a blocking op's wait (Comm._finish; course_lib.traces reads it)
+
 RING_FACTOR = {  # bytes sent per rank / payload bytes, for a ring over p ranks
     "all_reduce": lambda p: 2 * (p - 1) / p,
     "reduce_scatter": lambda p: (p - 1) / p,
@@ -101,7 +103,9 @@ class Comm:
     """Collectives over one process group (default: the whole world), each one recorded while tracing.
 
     Async ops (``async_op=True``) are recorded when issued; their time is the time to *issue* them, and
-    ``Work.wait()`` is where a caller pays for them.
+    ``Work.wait()`` is where a caller pays for them. A blocking op is issued and then waited for inside a
+    ``c10d::wait`` span, so that a profiler trace shows the wait as such (course_lib.traces) instead of as time of
+    whatever op called it.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -120,6 +124,15 @@ class Comm:
         finally:
             self._logs.remove(log)
 
+    def _finish(self, op: str, payload_bytes: int, start: float, work, async_op: bool):
+        """Wait for a blocking op's ``work`` (a span of its own in a profiler trace), record the op, and return
+        what torch.distributed would: the Work of an async op, None for a blocking one."""
+        if not async_op:
+            with torch.profiler.record_function(WAIT):
+                work.wait()
+        self._record(op, payload_bytes, start)
+        return work if async_op else None
+
     def _record(self, op: str, payload_bytes: int, start: float) -> None:
         if self._logs:
             seconds = time.perf_counter() - start
@@ -129,26 +142,23 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         start = time.perf_counter()
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        self._record("all_reduce", tensor.nbytes, start)
-        return work
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._finish("all_reduce", tensor.nbytes, start, work, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = False):
         """``output`` (n/p elements) gets this rank's chunk of the sum of every rank's ``input`` (n)."""
         _check_stacked("reduce_scatter", whole=input, part=output, size=self.size)
         start = time.perf_counter()
-        work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
-        self._record("reduce_scatter", input.nbytes, start)
-        return work
+        work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
+        return self._finish("reduce_scatter", input.nbytes, start, work, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """``output`` (n elements) gets every rank's ``input`` (n/p), concatenated in rank order."""
         _check_stacked("all_gather", whole=output, part=input, size=self.size)
         start = time.perf_counter()
-        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-        self._record("all_gather", output.nbytes, start)
-        return work
+        work = dist.all_gather_single(output, input, group=self.group, async_op=True)
+        return self._finish("all_gather", output.nbytes, start, work, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """``input`` is p equal chunks along dim 0: chunk j goes to rank j, and chunk i of ``output`` (same shape)
@@ -158,9 +168,8 @@ class Comm:
             raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
                              f"the same shape, with dim 0 divisible by {self.size} (the group size)")
         start = time.perf_counter()
-        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
-        self._record("all_to_all", input.nbytes, start)
-        return work
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+        return self._finish("all_to_all", input.nbytes, start, work, async_op)
 
     def _global(self, rank: int) -> int:
         """torch.distributed names peers by their rank in the whole world; a Comm by their rank in its group."""
@@ -169,9 +178,8 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``src`` is a rank of this Comm's group."""
         start = time.perf_counter()
-        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
-        self._record("broadcast", tensor.nbytes, start)
-        return work
+        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+        return self._finish("broadcast", tensor.nbytes, start, work, async_op)
 
     def send(self, tensor: torch.Tensor, dst: int):
         """``dst`` is a rank of this Comm's group."""

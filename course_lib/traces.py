@@ -14,13 +14,17 @@ as well as the hosts' clock synchronisation (NTP: ~1 ms; PTP: µs).
     exposed_seconds(traces[0])                                # communication while no op computes
 
 The split: communication is the union of the transfers; compute the union of the ops on the main thread (the
-thread that ran the step), without the ``c10d::`` ops that only enqueue or wait. Exposed communication is the
+thread that ran the step), without the ``c10d::`` ops that only enqueue or wait, and without the ops that waited
+for a blocking collective inside them (course_lib.comm marks each such wait as a ``c10d::wait`` span): tensor
+parallelism's f and g spend most of their time waiting for their all-reduce; their children still count. Exposed communication is the
 part of the first union outside the second (the rank had nothing to do but wait); overlapped, the part inside.
 """
 
 from __future__ import annotations
 
 import re
+
+from .comm import WAIT
 
 TRANSFER = re.compile(r"^(gloo:|nccl:|ncclDevKernel|ncclKernel)")
 ENQUEUE = "c10d::"
@@ -52,13 +56,29 @@ def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def intervals(trace: dict) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(communication, compute) of one rank's trace as exported: each a sorted list of disjoint (start, end)
-    seconds on the trace's clock."""
+    seconds on the trace's clock. A trace with GPU kernels is read on the GPU: NCCL's kernels against the
+    others (the host runs ahead of its GPU, so its ops say nothing of what the GPU overlaps)."""
     spans = [event for event in trace["traceEvents"] if event.get("ph") == "X" and "dur" in event]
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
+    if kernels:     # a GPU's trace: what counts is the GPU's time, NCCL's kernels against all the others
+        return (union([_seconds(e) for e in kernels if TRANSFER.match(e["name"])]),
+                union([_seconds(e) for e in kernels if not TRANSFER.match(e["name"])]))
     main_thread = next(e["pid"] for e in spans if e.get("cat") == "cpu_op")   # Linux: the main thread's id
-    communication = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans if TRANSFER.match(e["name"])]
-    compute = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans
-               if e.get("cat") == "cpu_op" and e.get("tid") == main_thread and not e["name"].startswith(ENQUEUE)]
+    communication = [_seconds(e) for e in spans if TRANSFER.match(e["name"])]
+    ops = [e for e in spans if e.get("tid") == main_thread and e.get("cat") in ("cpu_op", "user_annotation")]
+    waits = [(e["ts"], e["ts"] + e["dur"]) for e in ops if e["name"] == WAIT]
+
+    def waited_inside(op) -> bool:           # an op that called a blocking collective (TP's f and g)
+        return any(op["ts"] <= start and end <= op["ts"] + op["dur"] for start, end in waits)
+
+    compute = [_seconds(e) for e in ops
+               if e.get("cat") == "cpu_op" and not e["name"].startswith(ENQUEUE) and not waited_inside(e)]
     return union(communication), union(compute)
+
+
+def _seconds(event: dict) -> tuple[float, float]:
+    """An event's (start, end) in seconds (the trace counts µs)."""
+    return event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -57,6 +57,7 @@ class Lab:
     needs: str
     gpu_flags: object       # a function: ranks used -> the lab's flags on GPUs
     cpu_flags: str          # its flags in the CPU smoke run
+    torchrun: bool = True   # False: the lab starts its own ranks (launch), as it must to stop a hung one
 
 
 # The size on GPUs that shows each lab's effect. A lab compares with one process only below 5M parameters, so
@@ -85,6 +86,10 @@ LABS = {
                                  "--num-microbatches 4 --steps 5", "--tp 2 --pp 2 --steps 3"),
     # save in one layout (8 GPUs: dp 2 × tp 2 × pp 2, ZeRO-1), resume in another on NCCL, float64 parity
     "checkpoint": Lab(1, "", lambda n: "--no-kill --steps 8", "--no-kill --steps 6 --every 2 --kill-at 3"),
+    # one step of DDP, FSDP and TP profiled on every GPU, merged; then a hang read by the flight recorder
+    "profiling": Lab(2, "a timeline of ranks and a hang between them need 2 or more",
+                     lambda n: f"--hidden 1024 --layers 8 --seq-len 256 --global-batch-size {4 * n} --steps 2",
+                     "--steps 1", torchrun=False),
 }
 
 
@@ -92,7 +97,7 @@ def ranks_for(name: str, gpus: int) -> int:
     """How many ranks a lab runs on ``gpus`` GPUs (0 = on CPU): all of them, as far as the lab can split itself."""
     if gpus == 0:
         return 4 if name == "parallel_3d" else 2     # gloo ranks are cheap: 3D needs its two 2-wide axes
-    if name == "tensor_parallel":                    # TP must divide the 16 key/value heads of width 256
+    if name in ("tensor_parallel", "profiling"):     # TP must divide the model's key/value heads
         return max(d for d in (1, 2, 4, 8, 16) if d <= gpus)
     if name == "parallel_3d":
         return 4 * (gpus // 4)
@@ -214,10 +219,14 @@ def plot_bandwidth(rows: list[dict], title: str, path: Path) -> None:
 
 
 def run_lab(name: str, ranks: int, backend: str, flags: list, out: Path) -> tuple[list, int | None, float]:
-    """torchrun the lab; return the command (as one would type it), its exit status (None: stopped after
-    LAB_TIMEOUT) and seconds. Its whole output goes to out/logs/<lab>.log."""
-    command = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), os.path.relpath(LABS_DIR / f"{name}.py"),
-               "--backend", backend, "--out", str(out), *flags]
+    """torchrun the lab (or run it with python, for a lab that starts its own ranks); return the command (as one
+    would type it), its exit status (None: stopped after LAB_TIMEOUT) and seconds. Its whole output goes to
+    out/logs/<lab>.log."""
+    script = os.path.relpath(LABS_DIR / f"{name}.py")
+    starter = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), script]
+    if not LABS[name].torchrun:
+        starter = ["python", script, "--world-size", str(ranks)]
+    command = [*starter, "--backend", backend, "--out", str(out), *flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").unlink(missing_ok=True)        # a stale JSON must not pass for this run's
@@ -226,8 +235,9 @@ def run_lab(name: str, ranks: int, backend: str, flags: list, out: Path) -> tupl
         print(" ".join(command), file=log, flush=True)
         # torchrun is torch.distributed.run of this Python; in its own session, so that a hung lab is stopped
         # as a whole (torchrun passes SIGTERM on to its ranks)
-        process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command[1:]], stdout=log,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        runner = [sys.executable, "-m", "torch.distributed.run"] if command[0] == "torchrun" else [sys.executable]
+        process = subprocess.Popen([*runner, *command[1:]], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
         try:
             code = process.wait(timeout=LAB_TIMEOUT)
         except subprocess.TimeoutExpired:

@@ -14,6 +14,7 @@ WEIGHT_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3}
 BF16_TOLERANCE = 2**-6     # |w - torch's w|, bf16 weights below 2: two bf16 steps (the lab: about one)
 BUBBLE_TOLERANCE = 0.06    # |measured - formula| bubble, as notebook 05 asserts on a busy machine
 STATE_TOLERANCE = 0.05     # torch's own state bytes within 5% of the formula
+TP_EXPOSED = 0.8           # TP's blocking all-reduces: nearly all exposed (a little hides behind the other rank's ops)
 
 
 @dataclass
@@ -178,9 +179,33 @@ def check_checkpoint(r: dict) -> list[tuple]:
             not_in_lab("a rank killed and restarted", "tests/test_failures.py, torchrun --max-restarts")]
 
 
+def check_profiling(r: dict) -> list[tuple]:
+    ranks = list(range(r["world_size"]))
+    checks = [("merged timeline: every rank a process of its own (ddp, fsdp, tp)", str(ranks),
+               " / ".join(str(r["merged_ranks"][way]) for way in ("ddp", "fsdp", "tp")),
+               verdict(all(r["merged_ranks"][way] == ranks for way in ("ddp", "fsdp", "tp"))))]
+    tp = r["ways"]["tp"]
+    exposed = min(rank["exposed_s"] / rank["communication_s"] for rank in tp)
+    checks.append(("tp: its all-reduces exposed (the next matmul waits for each), least share of any rank",
+                   f"≥ {TP_EXPOSED:.0%}", f"{exposed:.0%}", verdict(exposed >= TP_EXPOSED)))
+    for way in ("ddp", "fsdp"):
+        shares = [rank["overlapped_s"] / rank["communication_s"] for rank in r["ways"][way] if rank["communication_s"]]
+        checks.append((f"{way}: communication behind computation, per rank", "—",
+                       " / ".join(f"{share:.0%}" for share in shares), "info"))
+    recorder = r["flight_recorder"]
+    if recorder.get("skipped"):
+        checks.append(not_in_lab("flight recorder names the mismatched collective", recorder["skipped"]))
+    else:
+        found = next((line for line in recorder["finding"].splitlines() if line.startswith("error msg")), "none")
+        checks.append(("flight recorder: torch's analyzer names the mismatched collective",
+                       "a MISMATCH and a culprit rank", found.removeprefix("error msg: ")[:60],
+                       verdict(recorder["hung"] and recorder["mismatch_found"])))
+    return checks
+
+
 CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
           "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
-          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint}
+          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint, "profiling": check_profiling}
 
 
 def lab_checks(name: str, out: Path) -> list[Check]:

@@ -167,7 +167,8 @@ def test_labs_that_need_more_gpus_than_the_box_has_are_skipped_with_the_reason()
     # six GPUs: TP uses 4 (it must divide the 16 key/value heads), 3D uses 4 (tp 2 × pp 2), the others all 6
     assert {name: check_gpu.ranks_for(name, 6) for name in check_gpu.LABS} == {
         "training_step": 6, "ddp": 6, "zero": 6, "tensor_parallel": 4, "pipeline_parallel": 6, "parallel_3d": 4,
-        "checkpoint": 4}                                  # its layouts: 8, 4, 2 or 1 ranks
+        "checkpoint": 4,                                  # its layouts: 8, 4, 2 or 1 ranks
+        "profiling": 4}                                   # its TP, as tensor_parallel's
     assert check_gpu.ranks_for("parallel_3d", 0) == 4 and check_gpu.ranks_for("zero", 0) == 2   # the CPU smoke run
 
 

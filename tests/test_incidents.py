@@ -20,14 +20,18 @@ def reference():
     return incidents.flat(incidents.reference())
 
 
-def test_uneven_shards_hang_names_where_each_rank_waits_and_the_fix_matches_the_reference():
+def test_uneven_shards_hang_names_where_each_rank_waits_and_the_fix_matches_the_reference(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankTimeout) as hang:
-        launch(incidents.uneven_shards, 2, timeout=5)
+        launch(incidents.uneven_shards, 2, timeout=5, flight_records=str(tmp_path))
     assert time.monotonic() - start < 30
     said = str(hang.value)
     rank0, rank1 = said.split("where rank 1 was")
     assert "in all_reduce" in rank0 and "in barrier" in rank1, said       # rank 0 waits a step ahead of rank 1
+    # the flight recorders, dumped while both ranks waited: torch's analyzer finds the mismatched collective
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank0", "rank1"]
+    report = hangs.analyze_flight_records(str(tmp_path))
+    assert "COLLECTIVE_TYPE_MISMATCH" in report and "'barrier'" in report and "'all_reduce'" in report, report
     fixed = launch(incidents.uneven_shards, 2, fixed=True)
     assert [result["steps"] for result in fixed] == [2, 2]
     expected = incidents.flat(incidents.reference(2))
@@ -82,6 +86,35 @@ def test_tp_norm_counted_on_every_rank_clips_too_hard_until_each_element_counts_
                          for name, weights in result["replicated"].items())
         assert low < norm_gap < high and low < weight_gap < high, (fixed, norm_gap, weight_gap)
     assert all(a > b for a, b in zip(launch(numerics.tp_norm, 2)[0]["norms"], expected["norms"]))   # too big
+
+
+def test_tp_dropout_seeded_by_rank_splits_the_replicated_weights_until_the_tp_group_shares_a_seed():
+    expected = replicas.tp_dropout_reference()
+
+    def weight_gap(results):
+        return max(incidents.gap(weights, expected[name]) for result in results
+                   for name, weights in result["replicated"].items())
+
+    buggy = launch(replicas.tp_dropout, 2)
+    sums = buggy[0]["checksums"]
+    assert abs(sums[0] - sums[1]) > 1e-3 and weight_gap(buggy) > 1e-3
+    assert buggy[0]["losses"][1:] != buggy[1]["losses"][1:]       # one batch, two losses: two different networks
+    fixed = launch(replicas.tp_dropout, 2, fixed=True)
+    assert fixed[0]["checksums"][0] == fixed[0]["checksums"][1] and weight_gap(fixed) < 1e-12
+    assert sorted(fixed[0]["replicated"]) == sorted(n for n in expected if "norm" in n or n in ("embed.weight",
+                                                                                                 "head.weight"))
+
+
+def test_fp16_without_loss_scaling_flushes_gradients_to_zero_and_grad_scaler_keeps_them():
+    expected = numerics.fp16_reference()
+    buggy = launch(numerics.fp16_loss_scale, 2)[0]
+    assert numerics.flushed(buggy["gradient"].double(), expected["gradient"]) > 0.1
+    assert buggy["losses"][-1] - expected["losses"][-1] > 0.1                   # it learns slower
+    fixed = launch(numerics.fp16_loss_scale, 2, fixed=True)[0]
+    gradient, truth = fixed["gradient"].double(), expected["gradient"]
+    # fp16 cannot equal float64: the fixed gradient is checked to fp16's precision (its epsilon is 9.8e-4)
+    assert numerics.flushed(gradient, truth) < 1e-3 and (gradient - truth).norm() / truth.norm() < 2e-3
+    assert max(abs(a - b) for a, b in zip(fixed["losses"], expected["losses"])) < 0.05
 
 
 def test_pipeline_sends_both_stages_wait_in_send_until_the_pairs_are_posted_together():
@@ -153,3 +186,71 @@ def test_the_pipeline_swap_checker_reports_the_deadlock_with_a_hint_and_takes_ei
     assert "did not finish within 10 s" in said and "in send" in said and "Hint" in said, said
     for right in (hangs.posted_together, lower_rank_sends_first):
         assert exercises.check_pipeline_swap(right) is True
+
+
+def test_the_step_count_checker_reports_the_hang_and_a_short_or_long_epoch(capsys, monkeypatch):
+    from course_lib.presentation import exercises
+    from course_lib.presentation.exercises import incidents as checkers
+    monkeypatch.setattr(checkers, "HANG_SECONDS", 4.0)
+    assert exercises.check_step_count(hangs.steps_from_my_rows) is False
+    said = capsys.readouterr().out
+    assert "did not finish within 4 s" in said and "in all_reduce" in said and "dataset_rows" in said, said
+
+    def rounded_up(dataset_rows, my_rows, world_size, batch_size):
+        return -(-dataset_rows // batch_size)
+    assert exercises.check_step_count(rounded_up) is False
+    said = capsys.readouterr().out
+    assert "no hang, but 3 steps" in said and "short" in said, said
+    assert exercises.check_step_count(hangs.steps_from_the_dataset) is True
+
+
+def test_the_replica_sync_checker_tells_replicas_that_differ_from_equal_replicas_of_the_wrong_model(capsys):
+    from course_lib.presentation import exercises
+
+    def from_rank_1(model, comm):
+        for param in model.parameters():
+            comm.broadcast(param.detach(), src=1)
+
+    def nothing(model, comm):
+        pass
+
+    for answer, words in ((nothing, "still differ"), (from_rank_1, "no one initialised")):
+        assert exercises.check_replica_sync(answer) is False
+        said = capsys.readouterr().out
+        assert words in said and "✓" not in said, said
+
+
+def test_the_rank_rows_checker_names_rows_read_twice_and_missed_before_any_rank_starts(capsys):
+    from course_lib.presentation import exercises
+    assert exercises.check_rank_rows(replicas.first_rows) is False
+    said = capsys.readouterr().out
+    assert "rank 0 takes [0, 1, 2, 3] and rank 1 takes [0, 1, 2, 3]; read twice: [0, 1, 2, 3]" in said, said
+    assert "read by no rank: [4, 5, 6, 7]" in said
+    assert exercises.check_rank_rows(lambda batch, rank, world_size: batch[rank::world_size]) is True
+
+
+def test_the_resume_load_checker_refuses_rank_0_s_shard_everywhere(capsys):
+    from course_lib.presentation import exercises
+    assert exercises.check_resume_load(replicas.rank_0_s_state) is False
+    said = capsys.readouterr().out
+    assert "from the uninterrupted one" in said and "optimizer_file(folder, rank)" in said, said
+
+
+def test_the_fp16_step_checker_names_a_missing_scale_and_a_missing_unscale(capsys):
+    from course_lib.presentation import exercises
+
+    def never_unscaled(loss, optimizer, scaler, sync):
+        (loss * numerics.LOSS_SCALE).backward()
+        sync()
+        optimizer.step()
+
+    def scaler_without_scale(loss, optimizer, scaler, sync):
+        loss.backward()
+        sync()
+        scaler.step(optimizer)
+
+    for answer, words in ((numerics.unscaled_step, "came out exactly 0"), (never_unscaled, "6.55e+04 times"),
+                          (scaler_without_scale, "not on loss")):
+        assert exercises.check_fp16_step(answer) is False
+        said = capsys.readouterr().out
+        assert words in said and "✓" not in said, said

@@ -129,6 +129,8 @@ BAD_ARGUMENTS = [   # (lab, arguments, the one line that refuses them)
     ("ddp", "--bucket-mb 1e300", "argument --bucket-mb: 1e+300 must be less than"),
     ("pipeline_parallel", "--op-ms 1e300", "argument --op-ms: 1e+300 must be less than"),
     ("checkpoint", "--global-batch-size 3 --world-size 2", "--global-batch-size 3 does not split over dp2 zero1"),
+    ("profiling", "--world-size 3", "(num_heads) cannot split over TP=3"),
+    ("profiling", "--global-batch-size 5", "--global-batch-size 5 is not divisible by --world-size 2"),
 ]
 
 

@@ -33,6 +33,28 @@ def test_intervals_exposed_and_overlapped_on_a_hand_made_trace():
     assert traces.exposed_seconds(HAND_MADE) == pytest.approx(60e-6, abs=1e-12)
 
 
+def test_an_op_that_waited_for_a_blocking_collective_is_not_compute_but_its_children_are():
+    trace = {"traceEvents": [
+        op("ReduceFromTensorParallelRegion", 0, 100),                 # TP's g: a copy, then a blocking all-reduce
+        op("aten::copy_", 5, 10), op("c10d::allreduce_", 20, 2), op("c10d::wait", 22, 78, cat="user_annotation"),
+        op("aten::mm", 100, 40),
+        op("gloo:all_reduce", 30, 70, tid=7, cat="user_annotation")]}
+    communication, compute = traces.intervals(trace)
+    assert compute == [(5e-6, 15e-6), (100e-6, 140e-6)]
+    assert traces.exposed_seconds(trace) == pytest.approx(70e-6, abs=1e-12)       # all of it: the op waited
+
+
+def test_a_gpu_trace_is_read_on_the_gpu_nccl_kernels_against_the_others():
+    trace = {"traceEvents": [
+        op("aten::mm", 0, 10), op("c10d::allreduce_", 10, 2),                  # the host, far ahead of its GPU
+        op("sm80_xmma_gemm", 100, 50, tid=7, cat="kernel"),
+        op("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 120, 60, tid=20, cat="kernel"),
+        op("sm80_xmma_gemm", 190, 10, tid=7, cat="kernel")]}
+    assert traces.intervals(trace) == ([(120e-6, 180e-6)], [(100e-6, 150e-6), (190e-6, 200e-6)])
+    assert traces.overlapped_seconds(trace) == pytest.approx(30e-6, abs=1e-12)
+    assert traces.exposed_seconds(trace) == pytest.approx(30e-6, abs=1e-12)
+
+
 def test_merge_makes_each_rank_a_process_of_its_own():
     merged = traces.merge([HAND_MADE, HAND_MADE])
     names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}

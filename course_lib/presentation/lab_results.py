@@ -49,6 +49,9 @@ LABS = {
     "checkpoint": Lab("python labs/checkpoint.py --world-size 4",
                       "a rank killed under torchrun --max-restarts on NCCL, the job resumed and resharded from a "
                       "checkpoint on real storage, equal to one process"),
+    "profiling": Lab("python labs/profiling.py --world-size 2",
+                     "the NCCL kernels of a DDP, FSDP and TP step on each GPU's stream, on one timeline, and NCCL's "
+                     "flight recorder naming a hang's mismatched collective"),
 }
 
 

@@ -34,7 +34,7 @@ def profiled_ddp_step(rank: int, world_size: int, *, folder: str, hidden: int = 
         loss_fn(model(inputs), targets).backward()
         model.finish_gradient_sync()
     model.bucket_log = []
-    with _kineto_quiet(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    with kineto_quiet(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         start = time.perf_counter()
         loss_fn(model(inputs), targets).backward()
         backward_end = time.perf_counter()
@@ -47,7 +47,7 @@ def profiled_ddp_step(rank: int, world_size: int, *, folder: str, hidden: int = 
 
 
 @contextlib.contextmanager
-def _kineto_quiet():
+def kineto_quiet():
     """The profiler's C++ side (kineto) writes a "profiler_start"/"profiler_stop" line to file descriptor 2 whatever
     its log level; point fd 2 at /dev/null for the profiled step only (Python exceptions still propagate)."""
     sys.stderr.flush()

@@ -13,8 +13,13 @@ from .common import exercise
 from .context import check_lse_merge as _check_lse_merge
 from .ddp import check_accumulation_step as check_accumulation_step
 from .experts import check_expert_exchange as _check_expert_exchange
+from .incidents import check_fp16_step as _check_fp16_step
 from .incidents import check_micro_batch_loss as _check_micro_batch_loss
 from .incidents import check_pipeline_swap as _check_pipeline_swap
+from .incidents import check_rank_rows as _check_rank_rows
+from .incidents import check_replica_sync as _check_replica_sync
+from .incidents import check_resume_load as _check_resume_load
+from .incidents import check_step_count as _check_step_count
 from .layout import check_3d_layout as _check_3d_layout
 from .memory_ledger import check_mlp_saved_bytes as check_mlp_saved_bytes
 from .pipeline import check_one_f_one_b as check_one_f_one_b
@@ -36,3 +41,8 @@ check_own_job = exercise(_check_own_job)
 check_global_norm = exercise(_check_global_norm)
 check_micro_batch_loss = exercise(_check_micro_batch_loss)
 check_pipeline_swap = exercise(_check_pipeline_swap)
+check_step_count = exercise(_check_step_count)
+check_replica_sync = exercise(_check_replica_sync)
+check_rank_rows = exercise(_check_rank_rows)
+check_resume_load = exercise(_check_resume_load)
+check_fp16_step = exercise(_check_fp16_step)

@@ -191,7 +191,7 @@ def global_norm(grads, is_split, tp_rank, comm):
 
 
 def micro_batch_loss(logits, targets, *, real_tokens, world_size, accumulation):
-    """The reference answer to notebook 11's exercise 2: the loss of one micro-batch of gradient accumulation.
+    """The reference answer to notebook 11's exercise 6: the loss of one micro-batch of gradient accumulation.
 
     Every real token of the global batch must weigh the same, whichever micro-batch and rank it is on: add this
     micro-batch's token losses (padding ignored) and divide by the real tokens of the whole batch. The gradients
@@ -204,7 +204,7 @@ def micro_batch_loss(logits, targets, *, real_tokens, world_size, accumulation):
 
 
 def pipeline_swap(comm, outgoing, incoming, peer):
-    """The reference answer to notebook 11's exercise 1: two pipeline stages that both have something to send.
+    """The reference answer to notebook 11's exercise 2: two pipeline stages that both have something to send.
 
     A blocking send finishes only once the peer has posted its receive; if both ranks send first, both wait
     forever. Posting the send and the receive together (torch's batch_isend_irecv, here Comm.exchange) lets both
@@ -213,6 +213,57 @@ def pipeline_swap(comm, outgoing, incoming, peer):
     """
     for work in comm.exchange(sends=[(outgoing, peer)], recvs=[(incoming, peer)]):
         work.wait()
+
+
+def step_count(dataset_rows, my_rows, world_size, batch_size):
+    """The reference answer to notebook 11's exercise 1: the steps of an epoch, the same on every rank.
+
+    A count from this rank's own rows differs between ranks whenever the dataset does not split evenly, and the
+    rank with a step more waits in an all-reduce no other rank calls. Every rank knows the dataset's size: take
+    its whole global batches and drop the rest (DistributedSampler(drop_last=True))."""
+    return dataset_rows // batch_size
+
+
+def replica_sync(model, comm):
+    """The reference answer to notebook 11's exercise 3: replicas made equal before the first step.
+
+    Every weight of rank 0 broadcast to every rank, in place (DDP's constructor does this, and so does
+    ddp.broadcast_parameters, with the buffers too). Rank 0's, because that is the model the job's seed built."""
+    with torch.no_grad():
+        for param in model.parameters():
+            comm.broadcast(param, src=0)
+
+
+def rank_rows(batch, rank, world_size):
+    """The reference answer to notebook 11's exercise 4: this rank's rows of the step's global batch.
+
+    A contiguous slice, each rank its own (data.shard; DistributedSampler takes every world_size-th row
+    instead, which is as right: what matters is that each row goes to exactly one rank)."""
+    per_rank = len(batch) // world_size
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+def resume_load(folder, rank):
+    """The reference answer to notebook 11's exercise 5: a ZeRO-1 rank's optimizer state on resume.
+
+    Under ZeRO-1 each rank's optimizer holds the state of its own shard of the weights, so each rank saved a
+    different file and must load its own; rank 0's loaded and broadcast gives every rank the wrong momentum with
+    the right shapes."""
+    from course_lib.presentation.incidents.replicas import optimizer_file
+    return torch.load(optimizer_file(folder, rank))
+
+
+def fp16_step(loss, optimizer, scaler, sync):
+    """The reference answer to notebook 11's exercise 7: the end of an fp16 mixed-precision step.
+
+    Scale the loss before backward, so that the gradients fp16 computes stay above its smallest numbers;
+    average them; ``scaler.step`` divides the fp32 gradients by the scale before the update (and skips a step
+    whose gradients overflowed); ``update`` adjusts the scale for the next step. By hand: backward on loss × S,
+    then divide every gradient by S before optimizer.step()."""
+    scaler.scale(loss).backward()
+    sync()
+    scaler.step(optimizer)
+    scaler.update()
 
 
 BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name>) → its reference answer
@@ -230,6 +281,11 @@ BY_EXERCISE = {  # the name of an exercise (its checker is exercises.check_<name
     "global_norm": global_norm,
     "micro_batch_loss": micro_batch_loss,
     "pipeline_swap": pipeline_swap,
+    "step_count": step_count,
+    "replica_sync": replica_sync,
+    "rank_rows": rank_rows,
+    "resume_load": resume_load,
+    "fp16_step": fp16_step,
 }
 
 

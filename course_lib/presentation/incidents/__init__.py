@@ -15,21 +15,28 @@ after three steps (Adam would hide a gradient that is wrong by a constant factor
     replicas     unsynced_init      replicas built from different seeds, never broadcast: they disagree
                  same_batch         every data-parallel rank reads the batch's same first rows
                  zero_resume        a ZeRO-1 resume that gives every rank rank 0's optimizer shard
+                 tp_dropout         TP ranks seeding their dropout apart: copies of the replicated weights drift
     numerics     token_mean         gradient accumulation that averages each micro-batch's loss over its own
                                     tokens: micro-batches with fewer real tokens weigh as much as full ones
                  tp_norm            the gradient norm summed over TP ranks with the replicated weights counted
                                     on every rank: clipping too hard
+                 fp16_loss_scale    fp16 mixed precision without loss scaling: a third of the gradients round to
+                                    zero (the one incident on Adam, checked to fp16's precision, not 1e-12)
 
 The tools that find them (``common``): ``reference``, the one-process float64 run on the same data, and ``gap``
-from it; ``checksums``, each rank's sum of its weights, equal on replicas that agree.
+from it; ``checksums``, each rank's sum of its weights, equal on replicas that agree; (``hangs``) every rank's
+flight recorder dumped while it waits, read by torch's analyzer.
+
+Each incident takes the line it gets wrong as an argument too (``steps_of``, ``swap``, ``sync``, ``rows_of``,
+``load``, ``loss_of``, ``step_of``), so that notebook 11's exercises run the learner's version in the real job.
 """
 
 from .common import BATCH_SIZE, LR, STEPS, checksums, flat, gap, reference
 from .hangs import pipeline_sends, straggler, uneven_shards
-from .numerics import token_mean, tp_norm
-from .replicas import same_batch, unsynced_init, zero_resume
+from .numerics import fp16_loss_scale, token_mean, tp_norm
+from .replicas import same_batch, tp_dropout, unsynced_init, zero_resume
 
 INCIDENTS = {fn.__name__: fn for fn in (uneven_shards, pipeline_sends, straggler, unsynced_init, same_batch,
-                                        zero_resume, token_mean, tp_norm)}
+                                        zero_resume, tp_dropout, token_mean, tp_norm, fp16_loss_scale)}
 
 __all__ = ["BATCH_SIZE", "INCIDENTS", "LR", "STEPS", "checksums", "flat", "gap", "reference"]

@@ -3,6 +3,9 @@ right parallel step from a wrong one."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch.nn.utils import parameters_to_vector
 
@@ -38,11 +41,19 @@ def flat(model) -> torch.Tensor:
     return parameters_to_vector([p.detach() for p in model.parameters()]).clone()
 
 
-def reference(steps: int = STEPS, *, mask=None, sync=None, momentum: float = 0.0):
+def flat_gradients(model) -> torch.Tensor:
+    """Every gradient of ``model`` in one vector (a copy)."""
+    return parameters_to_vector([p.grad for p in model.parameters()]).clone()
+
+
+def reference(steps: int = STEPS, *, mask=None, sync=None, momentum: float = 0.0, prepare=None):
     """The oracle: one process trained on each step's whole batch (train.reference_run's run, with SGD), the same
     seed and data; ``mask(targets, step)`` edits the targets as the incident does, ``sync(model)`` acts on the
-    gradients before each update (a clip). Returns the model."""
+    gradients before each update (a clip), ``prepare(model)`` adds to the model what the incident adds (dropout).
+    Returns the model."""
     model, optimizer, data = tiny(momentum=momentum)
+    if prepare is not None:
+        prepare(model)
     for step in range(steps):
         inputs, targets = data.batch(step, BATCH_SIZE)
         sgd_step(model, optimizer, inputs, mask(targets, step) if mask else targets, sync)
@@ -54,9 +65,11 @@ def gap(weights: torch.Tensor, expected: torch.Tensor) -> float:
     return (weights - expected).abs().max().item()
 
 
-def checksums(model, comm: Comm) -> list[float]:
-    """Every rank's sum of its weights (float64), gathered: replicas that agree show one number."""
-    mine = flat(model).sum().reshape(1)
+def checksums(model, comm: Comm, names=None) -> list[float]:
+    """Every rank's sum of its weights (float64; only the parameters ``names``, if given), gathered: replicas
+    that agree show one number."""
+    held = [p.detach() for name, p in model.named_parameters() if names is None or name in names]
+    mine = parameters_to_vector(held).sum().reshape(1)
     every = torch.empty(comm.size, dtype=torch.float64)
     comm.all_gather(every, mine)
     return every.tolist()
@@ -68,3 +81,11 @@ def average_gradients(model, comm: Comm) -> None:
     for param in model.parameters():
         comm.all_reduce(param.grad)
         param.grad /= comm.size
+
+
+def written_atomically(path: Path, write) -> None:
+    """``write(partial)`` to a temporary name beside ``path``, then renamed to it: a rank killed mid-write (the
+    incidents end in hangs) leaves no cut file under the real name."""
+    partial = path.with_name(f".{path.name}.partial")
+    write(partial)
+    os.replace(partial, path)

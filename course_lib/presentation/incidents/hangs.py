@@ -3,7 +3,12 @@ slower than the others."""
 
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,7 +17,9 @@ from ...comm import Comm
 from ...data import shard
 from ...model import loss_fn
 from ...pipeline_parallel import make_stage, partition_layers
-from .common import BATCH_SIZE, LR, SEQ_LEN, STEPS, average_gradients, flat, sgd_step, tiny
+from .common import BATCH_SIZE, LR, SEQ_LEN, STEPS, average_gradients, flat, sgd_step, tiny, written_atomically
+
+RECORD_AFTER_S = 2.0       # uneven_shards' ranks are all waiting well before this: then each dumps its recorder
 
 
 def checked_comm(debug: bool) -> Comm:
@@ -28,20 +35,65 @@ def checked_comm(debug: bool) -> Comm:
         dist.set_debug_level(dist.DebugLevel.OFF)
 
 
-def uneven_shards(rank: int, world_size: int, *, fixed: bool = False, debug: bool = False) -> dict:
-    """Data parallelism over a dataset of STEPS × BATCH_SIZE - 1 rows, each rank reading every world_size-th row
-    (DistributedSampler's way) in batches of BATCH_SIZE / world_size.
+def steps_from_my_rows(dataset_rows: int, my_rows: int, world_size: int, batch_size: int) -> int:
+    """The bug: the steps of an epoch counted from this rank's own rows, its short last batch dropped. A rank
+    with a row more than the others can take a step more."""
+    return my_rows // (batch_size // world_size)
 
-    The bug: each rank drops only its own short last batch, so rank 0, with a row more, takes one step more; its
-    gradient all-reduce waits for ranks that have gone on to the barrier before saving. The fix: every rank counts
-    the steps from the whole dataset (whole global batches, as DistributedSampler(drop_last=True)), so all call the
-    same collectives. ``debug``: the collectives checked (checked_comm)."""
+
+def steps_from_the_dataset(dataset_rows: int, my_rows: int, world_size: int, batch_size: int) -> int:
+    """The fix: the steps counted from the whole dataset, whole global batches of ``batch_size`` rows only (as
+    DistributedSampler(drop_last=True) does): the same number on every rank."""
+    return dataset_rows // batch_size
+
+
+def dump_flight_recorder(path: Path, world_size: int) -> None:
+    """This rank's flight recorder, pickled as torchfrtrace reads it, written to ``path``.
+
+    The flight recorder is torch's ring buffer of the last collectives each process group of this process issued
+    (kind, sizes, sequence number, Python stack), kept on every backend by default (TORCH_FR_BUFFER_SIZE sets its
+    length). NCCL's watchdog dumps it by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, into files named by
+    TORCH_FR_DUMP_TEMP_FILE); gloo has no watchdog, so this calls the same dump (torch._C's binding, which has no
+    public Python name). Gloo's dump leaves the table of process groups empty; the analyzer needs it to match the
+    ranks' collectives, so it is filled in here for the groups the incidents use, which span the world."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dump = pickle.loads(_dump_fr_trace(True, True))      # with the collectives and their stacks
+    groups = {tuple(entry["process_group"]) for entry in dump["entries"]}
+    dump["pg_config"] = {name: {"name": name, "desc": desc, "ranks": str(list(range(world_size)))}
+                         for name, desc in groups}
+    written_atomically(Path(path), lambda partial: partial.write_bytes(pickle.dumps(dump)))
+
+
+def analyze_flight_records(folder: str) -> str:
+    """torch's flight recorder analyzer (``torchfrtrace <folder>``) on every rank's dump in ``folder``: it matches
+    the ranks' collectives by sequence number and names the first that not every rank issued, with its stack.
+    Returns what it printed."""
+    analyzer = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)]
+    done = subprocess.run(analyzer, capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+def uneven_shards(rank: int, world_size: int, *, fixed: bool = False, debug: bool = False, steps_of=None,
+                  flight_records: str | None = None) -> dict:
+    """Data parallelism over a dataset of STEPS × BATCH_SIZE - 1 rows, each rank reading every world_size-th row
+    (DistributedSampler's way) in batches of BATCH_SIZE / world_size, for ``steps_of(dataset_rows, my_rows,
+    world_size, batch_size)`` steps (default: steps_from_my_rows, the bug, or steps_from_the_dataset if
+    ``fixed``). Rank 0, with a row more, takes one step more than rank 1; its gradient all-reduce waits for a
+    rank that has gone on to the barrier before saving. ``debug``: the collectives checked (checked_comm).
+    ``flight_records``: a folder where each rank dumps its flight recorder (rank<r>) RECORD_AFTER_S seconds in,
+    from a timer thread, while the main thread waits."""
+    steps_of = steps_of or (steps_from_the_dataset if fixed else steps_from_my_rows)
+    if flight_records is not None:
+        dump = threading.Timer(RECORD_AFTER_S, dump_flight_recorder, [Path(flight_records) / f"rank{rank}", world_size])
+        dump.daemon = True                  # a rank that finishes first is not kept alive by it
+        dump.start()
     model, optimizer, data = tiny()
     inputs, targets = (torch.cat(parts) for parts in zip(*(data.batch(step, BATCH_SIZE) for step in range(STEPS))))
     rows = len(inputs) - 1                             # a dataset whose size is no multiple of the batch
     inputs, targets = inputs[:rows][rank::world_size], targets[:rows][rank::world_size]
     local = BATCH_SIZE // world_size
-    num_steps = rows // BATCH_SIZE if fixed else len(inputs) // local
+    num_steps = steps_of(rows, len(inputs), world_size, BATCH_SIZE)
     comm = checked_comm(debug)
     losses = []
     for step in range(num_steps):

@@ -12,10 +12,13 @@ from ...data import shard
 from ...mesh import Mesh
 from ...model import loss_fn
 from ...tensor_parallel import apply_tp
-from .common import BATCH_SIZE, LR, STEPS, average_gradients, flat, reference, sgd_step, tiny
+from .common import BATCH_SIZE, LR, STEPS, average_gradients, flat, flat_gradients, reference, sgd_step, tiny
 
 IGNORE = -100           # cross_entropy's ignore_index: a padding position that is no target
 MAX_NORM = 0.5          # the tiny model's gradient norm is ~2: clipped every step
+GLOBAL_TOKENS = 2**20   # fp16_loss_scale's job: a step of 2^20 tokens (8,192 micro-batches like the one it runs)
+FP16_STEPS, ADAM_LR = 10, 1e-2
+LOSS_SCALE = 2.0**16    # GradScaler's default starting scale
 
 
 def pad(targets: torch.Tensor, step: int) -> torch.Tensor:
@@ -105,3 +108,83 @@ def tp_norm_reference() -> dict:
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
     model = reference(sync=clip)
     return {"norms": norms, "weights": {name: p.detach() for name, p in model.named_parameters()}}
+
+
+def unscaled_step(loss, optimizer, scaler, sync) -> None:
+    """The bug: the step as written for bfloat16, which has float32's 8 exponent bits and needs no scaling:
+    backward on the loss itself. In fp16 most of its gradients round to zero."""
+    loss.backward()
+    sync()
+    optimizer.step()
+
+
+def scaled_step(loss, optimizer, scaler, sync) -> None:
+    """The fix: torch.amp.GradScaler multiplies the loss by its scale before backward, and ``scaler.step``
+    divides the fp32 gradients back before the update (it skips a step whose gradients overflowed, and
+    ``update`` then halves the scale)."""
+    scaler.scale(loss).backward()
+    sync()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def fp16_loss_scale(rank: int, world_size: int, *, fixed: bool = False, steps: int = FP16_STEPS,
+                    step_of=None) -> dict:
+    """Data parallelism in fp16 mixed precision (fp32 weights and Adam, forward and backward under
+    torch.autocast(float16)), each micro-batch's loss its tokens' summed loss over the step's GLOBAL_TOKENS, as
+    mean_over_the_batch does. The job accumulates 8,192 such micro-batches a step; this runs the first one of
+    each step, because what goes wrong happens inside one micro-batch's backward, before anything is added up.
+
+    Each step ends with ``step_of(loss, optimizer, scaler, sync)`` (default: unscaled_step, the bug, or
+    scaled_step if ``fixed``), ``sync()`` averaging the gradients over the ranks. The loss is ~1e-7 of a mean
+    and so is every gradient the backward computes: in fp16 (smallest normal 6.1e-5, smallest subnormal 6.0e-8)
+    most of them round to zero or to a few bits, and the weights they belong to stop learning. Returns the
+    losses (as means per token) and step 0's gradient as the optimizer saw it, in float32."""
+    step_of = step_of or (scaled_step if fixed else unscaled_step)
+    model, _, data = tiny()
+    model.float()                           # fp32 weights, as mixed precision keeps them
+    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR)   # Adam: a scaled gradient takes the same step
+    scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
+    comm = Comm()
+    seen = []                               # the gradients as the optimizer's first step sees them
+
+    def record_first(optimizer, args, kwargs):
+        if not seen:
+            seen.append(flat_gradients(model))
+    optimizer.register_step_pre_hook(record_first)
+    losses = []
+    for step in range(steps):
+        inputs, targets = (shard(t, rank, world_size) for t in data.batch(step, BATCH_SIZE))
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(inputs)
+        loss = mean_over_the_batch(logits.float(), targets, real_tokens=GLOBAL_TOKENS, world_size=world_size,
+                                   accumulation=1)
+        step_of(loss, optimizer, scaler, lambda: average_gradients(model, comm))
+        logged = loss.detach().reshape(1)
+        comm.all_reduce(logged)             # the global batch's loss, as one process logs it
+        losses.append(logged.item() * GLOBAL_TOKENS / (world_size * world_size * targets.numel()))
+    return {"losses": losses, "gradient": seen[0] if seen else None}
+
+
+def fp16_reference(steps: int = FP16_STEPS) -> dict:
+    """fp16_loss_scale's run in one process in float64 (no autocast): its losses and step 0's gradient."""
+    model, _, data = tiny()
+    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+    losses, first_gradient = [], None
+    for step in range(steps):
+        inputs, targets = data.batch(step, BATCH_SIZE)
+        optimizer.zero_grad()
+        loss = mean_over_the_batch(model(inputs), targets, real_tokens=GLOBAL_TOKENS, world_size=1, accumulation=1)
+        loss.backward()
+        if first_gradient is None:
+            first_gradient = flat_gradients(model)
+        optimizer.step()
+        losses.append(loss.item() * GLOBAL_TOKENS / targets.numel())
+    return {"losses": losses, "gradient": first_gradient}
+
+
+def flushed(gradient: torch.Tensor, expected: torch.Tensor) -> float:
+    """The share of the gradient's entries that are exactly zero where ``expected`` (float64) is not."""
+    alive = expected != 0
+    return ((gradient == 0) & alive).sum().item() / alive.sum().item()

@@ -5,7 +5,7 @@ holds what every figure shares to stay readable: units from the data, plurals, l
 from .ddp import ddp_timeline, replica_drift, ring_all_reduce_steps, step_time_split
 from .experts import dropped_share, expert_load
 from .failures import checkpoint_waste
-from .incidents import trace_timeline
+from .incidents import gradient_magnitudes, trace_timeline
 from .mesh import bytes_per_axis, mesh_layout
 from .pipeline import bubble_curves, pipeline_gantt
 from .tensor_parallel import matmul_split, speed_words, tp_speed
@@ -18,4 +18,4 @@ __all__ = ["ZERO_STAGE_NAMES", "bubble_curves", "bytes_per_axis", "ddp_timeline"
            "zero_wire_bytes",
            "dropped_share", "expert_load",   # 08 · experts
            "checkpoint_waste",               # 10 · checkpoints and failures
-           "trace_timeline"]                 # 11 · when parallel training goes wrong
+           "trace_timeline", "gradient_magnitudes"]   # 11 · when parallel training goes wrong
