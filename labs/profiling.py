@@ -8,8 +8,8 @@ Part 1, the timeline. For each of three ways to split the same model, ours bucke
 FSDP2 (``fully_shard`` on every block and the root) and ours TP (course_lib.tensor_parallel), every rank runs
 --steps warm-up steps and then one step (forward, backward, the gradients synced) under torch.profiler, with the
 GPU's activity on a GPU. The ranks' traces are merged into one Chrome trace per way (profile_ddp.json,
-profile_fsdp.json, profile_tp.json: open them in ui.perfetto.dev, rank r as process r) and drawn
-(profile_<way>.png). Per rank it prints the communication's time, the part of it behind computation and the part
+profile_fsdp.json, profile_tp.json: open them in ui.perfetto.dev, rank r as process r) and drawn one above the
+other (profiling.png). Per rank it prints the communication's time, the part of it behind computation and the part
 exposed (course_lib.traces: on a GPU, the NCCL kernels on the GPU's stream against the compute kernels; on a CPU,
 gloo's transfers against the main thread's ops).
 
@@ -20,8 +20,8 @@ stopped, and torch's analyzer (torchfrtrace) reads the dumps and names the colle
 Part 2 needs ranks that this process starts and stops (``launch``), so under torchrun, which would end the whole
 job, it is skipped and says so.
 
-It writes profiling.json (each way's per-rank times, the analyzer's finding), the three merged traces and their
-figures, and flight_recorder/rank<r> (the dumps).
+It writes profiling.json (each way's per-rank times, the analyzer's finding), the three merged traces, their
+figure, and flight_recorder/rank<r> (the dumps).
 """
 
 import json
@@ -149,10 +149,13 @@ def main(argv=None):
                      warmup=args.steps, dtype=args.dtype)
     record = {"ways": {}, "merged_ranks": {}, "flight_recorder": None}
     if reports():
+        import matplotlib.pyplot as plt
+
         from course_lib.presentation.plots import trace_timeline
+        figure, axes = plt.subplots(len(WAYS), 1, figsize=(10, len(WAYS) * (0.9 + 0.8 * args.world_size)))
         print(f"\n{args.world_size} ranks ({args.backend}, {args.dtype}): one step profiled on every rank")
         print(f"{'way':>5} {'rank':>4} {'communication ms':>17} {'behind compute':>15} {'exposed':>8}")
-        for way in WAYS:
+        for way, ax in zip(WAYS, axes):
             per_rank = [r[way] for r in results]
             for rank, times in enumerate(per_rank):
                 print(f"{way:>5} {rank:>4} {times['communication_s'] * 1e3:>17.2f} {times['overlapped_s'] * 1e3:>15.2f} "
@@ -161,16 +164,17 @@ def main(argv=None):
             merged = traces.merge(rank_traces)
             write_record(args, f"profile_{way}", merged)
             record["merged_ranks"][way] = sorted({event["pid"] for event in merged["traceEvents"]})
-            trace_timeline(rank_traces, title=f"{way}: one step, {args.world_size} ranks ({args.backend})").savefig(
-                args.out / f"profile_{way}.png", dpi=100)
+            trace_timeline(rank_traces, title=f"{way}: one step, {args.world_size} ranks ({args.backend})", ax=ax)
             record["ways"][way] = per_rank
+        figure.tight_layout()
+        figure.savefig(args.out / "profiling.png", dpi=100)
     record["flight_recorder"] = flight_recorder(args) if reports() else None
     if not reports():
         return None
     found = record["flight_recorder"]
     print(f"\nflight recorder: {found.get('skipped') or found['finding'] or 'no finding: ' + str(found)}")
     path = write_record(args, "profiling", record)
-    print(f"wrote {path}, profile_<way>.json (ui.perfetto.dev) and .png for {', '.join(WAYS)}")
+    print(f"wrote {path}, profiling.png and profile_<way>.json (for ui.perfetto.dev) for {', '.join(WAYS)}")
     return record
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 import pytest
+import torch
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
@@ -361,6 +362,16 @@ def test_trace_timeline_draws_two_rows_per_rank_from_the_traces_intervals():
                                                             "rank 1 compute", "rank 1 communication"]
     bars = [collection.get_paths() for collection in ax.collections]
     assert [len(paths) for paths in bars] == [2, 2, 2, 2]            # 2 compute spans, 2 transfers, per rank
+    plt.close(fig)
+
+
+def test_gradient_magnitudes_counts_every_entry_with_zeros_apart_and_marks_fp16_s_limits():
+    gradient = torch.tensor([0.0, 0.0, 2.0**-30, 2.0**-20, 2.0**-10, 0.5])
+    fig = plots.gradient_magnitudes({"a": gradient, "b": gradient[2:]})
+    ax = fig.axes[0]
+    heights = [[patch.get_height() for patch in container] for container in ax.containers]
+    assert [sum(h) for h in heights] == [6, 4] and heights[0][0] == 2 and heights[1][0] == 0   # zeros: first bar
+    assert sorted(line.get_xdata()[0] for line in ax.lines) == [-24, -14]
     plt.close(fig)
 
 

@@ -48,7 +48,7 @@ def check_step_count(steps_of) -> bool:
     rows (the global batch) this rank takes in an epoch, ``my_rows`` being its share of the dataset's rows. Run
     live in incident 1's job (23 rows on 2 ranks): it must end within 10 s, after the dataset's whole global
     batches, with the weights of one process trained on them."""
-    if _unfinished(steps_of, DATASET_ROWS, 12, WORLD_SIZE, BATCH_SIZE):
+    if _unfinished(steps_of, DATASET_ROWS, -(-DATASET_ROWS // WORLD_SIZE), WORLD_SIZE, BATCH_SIZE):   # rank 0's
         return False
     results = run_on_ranks(uneven_shards, WORLD_SIZE, what="epoch", timeout=HANG_SECONDS, steps_of=steps_of)
     if results is None:

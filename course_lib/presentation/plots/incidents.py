@@ -7,12 +7,14 @@ import torch
 from ...traces import intervals
 
 
-def trace_timeline(traces: list[dict], title: str = "one DDP step, from each rank's torch.profiler trace"):
+def trace_timeline(traces: list[dict], title: str = "one DDP step, from each rank's torch.profiler trace", ax=None):
     """Two rows per rank: the ops of its main thread (compute) and the backend's transfers (communication), in ms
-    from the first op of any rank. Returns the figure."""
+    from the first op of any rank; on ``ax`` if given (a new figure otherwise). Returns the figure."""
     spans = [intervals(trace) for trace in traces]
     start = min(compute[0][0] for _, compute in spans)
-    figure, axes = plt.subplots(figsize=(10, 0.9 + 0.8 * len(traces)))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.9 + 0.8 * len(traces)))
+    figure, axes = ax.figure, ax
     labels = []
     for rank, (communication, compute) in enumerate(spans):
         for row, (what, bars, color) in enumerate((("compute", compute, "tab:blue"),
