@@ -48,8 +48,9 @@ from course_lib.tensor_parallel import apply_tp, check_tp_divisible
 from course_lib.units import MiB
 
 WAYS = ("ddp", "fsdp", "tp")
-RECORD_AFTER_S = 1.0      # the ranks hang at once: by then every one waits, and dumps its recorder
-HANG_TIMEOUT = RECORD_AFTER_S + 2.0       # the dumps are written by then; then the hung ranks are stopped
+# seconds until each rank dumps its recorder: the ranks hang at once on gloo; NCCL first sets up its
+# communicators (seconds on 8 GPUs). Two seconds later the dumps are written and the hung ranks are stopped.
+RECORD_AFTER_S = {"gloo": 1.0, "nccl": 15.0}
 
 
 def split(way: str, model):
@@ -107,11 +108,11 @@ def profiled_step(way, model, batch, rank, world_size, *, warmup, dtype) -> dict
             "overlapped_s": traces.overlapped_seconds(trace), "exposed_s": traces.exposed_seconds(trace)}
 
 
-def mismatched_collectives(rank, world_size, *, folder, steps=2):
+def mismatched_collectives(rank, world_size, *, folder, record_after_s, steps=2):
     """Notebook 11's incident 1, bare: ``steps`` gradient all-reduces on every rank and one more on rank 0, then a
-    barrier. Rank 0's extra all-reduce meets the others' barrier: the job hangs. RECORD_AFTER_S seconds in, a timer
+    barrier. Rank 0's extra all-reduce meets the others' barrier: the job hangs. ``record_after_s`` in, a timer
     thread dumps this rank's flight recorder to ``folder``/rank<r> while the main thread waits."""
-    dump = threading.Timer(RECORD_AFTER_S, dump_flight_recorder, [Path(folder) / f"rank{rank}", world_size])
+    dump = threading.Timer(record_after_s, dump_flight_recorder, [Path(folder) / f"rank{rank}", world_size])
     dump.daemon = True
     dump.start()
     gradient = torch.ones(128, 64, device=device())
@@ -128,8 +129,12 @@ def flight_recorder(args) -> dict:
         return {"skipped": "under torchrun: a hang would end the job; run `python labs/profiling.py --world-size N`"}
     folder = args.out / "flight_recorder"
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("rank[0-9]*"):       # a last run's dumps (this lab's own files) must not pass for these
+        old.unlink()
     try:
-        launch(mismatched_collectives, args.world_size, backend=args.backend, timeout=HANG_TIMEOUT, folder=str(folder))
+        record_after_s = RECORD_AFTER_S[args.backend]
+        launch(mismatched_collectives, args.world_size, backend=args.backend, timeout=record_after_s + 2.0,
+               folder=str(folder), record_after_s=record_after_s)
         hung = False
     except RankTimeout:
         hung = True
