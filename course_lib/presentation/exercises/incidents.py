@@ -43,6 +43,16 @@ def _unfinished(answer, *args) -> bool:
     return False
 
 
+def _against_reference(distance: float, wrong: str, right: str) -> bool:
+    """The verdict on a run whose weights end ``distance`` from the one-process reference: "✗ ``wrong``" beyond
+    ATOL, else "✓ correct: ``right``"."""
+    if distance > ATOL:
+        print(f"✗ {wrong}")
+        return False
+    print(f"✓ correct: {right}")
+    return True
+
+
 def check_step_count(steps_of) -> bool:
     """11: ``steps_of(dataset_rows, my_rows, world_size, batch_size)`` returns how many steps of ``batch_size``
     rows (the global batch) this rank takes in an epoch, ``my_rows`` being its share of the dataset's rows. Run
@@ -64,12 +74,9 @@ def check_step_count(steps_of) -> bool:
               f"{why}. Take only whole global batches (drop_last)")
         return False
     distance = max(gap(r["weights"], flat(reference(whole))) for r in results)
-    if distance > ATOL:
-        print(f"✗ {steps} steps on every rank, but the weights end {distance:.2e} from one process's")
-        return False
-    print(f"✓ correct: {steps} steps on both ranks, no hang, and the weights equal one process's (largest gap "
-          f"{distance:.1e})")
-    return True
+    return _against_reference(distance, f"{steps} steps on every rank, but the weights end {distance:.2e} from one "
+                              "process's", f"{steps} steps on both ranks, no hang, and the weights equal one "
+                              f"process's (largest gap {distance:.1e})")
 
 
 def check_replica_sync(sync) -> bool:
@@ -88,13 +95,11 @@ def check_replica_sync(sync) -> bool:
               "torch.no_grad())")
         return False
     distance = gap(results[0]["weights"], flat(reference()))
-    if distance > ATOL:
-        print(f"✗ the replicas agree, but on a model {distance:.2e} from the oracle's: not the one rank 0 built "
-              "(seed 0), the model every run of this job starts from. Averaging the replicas, or broadcasting "
-              "another rank's, gives equal replicas of a model no one initialised")
-        return False
-    print(f"✓ correct: equal replicas, and after 3 steps the weights equal one process's (largest gap {distance:.1e})")
-    return True
+    return _against_reference(
+        distance, f"the replicas agree, but on a model {distance:.2e} from the oracle's: not the one rank 0 built "
+        "(seed 0), the model every run of this job starts from. Averaging the replicas, or broadcasting another "
+        "rank's, gives equal replicas of a model no one initialised",
+        f"equal replicas, and after 3 steps the weights equal one process's (largest gap {distance:.1e})")
 
 
 def check_rank_rows(rows_of) -> bool:
@@ -117,12 +122,9 @@ def check_rank_rows(rows_of) -> bool:
     if results is None:
         return False
     distance = max(gap(r["weights"], flat(reference())) for r in results)
-    if distance > ATOL:
-        print(f"✗ the weights end {distance:.2e} from one process's on the whole batch")
-        return False
-    print(f"✓ correct: rank 0 takes rows {taken[0]}, rank 1 {taken[1]}, and the weights equal one process's "
-          f"(largest gap {distance:.1e})")
-    return True
+    return _against_reference(distance, f"the weights end {distance:.2e} from one process's on the whole batch",
+                              f"rank 0 takes rows {taken[0]}, rank 1 {taken[1]}, and the weights equal one "
+                              f"process's (largest gap {distance:.1e})")
 
 
 def check_resume_load(load) -> bool:
@@ -136,12 +138,10 @@ def check_resume_load(load) -> bool:
     if results is None:
         return False
     distance = gap(results[0]["weights"], flat(reference(momentum=MOMENTUM)))
-    if distance > ATOL:
-        print(f"✗ the resumed run ends {distance:.2e} from the uninterrupted one. Under ZeRO-1 each rank's optimizer "
-              "state is the momentum of its own shard of the weights, saved as optimizer_file(folder, rank)")
-        return False
-    print(f"✓ correct: the resumed run equals the uninterrupted one (largest gap {distance:.1e})")
-    return True
+    return _against_reference(
+        distance, f"the resumed run ends {distance:.2e} from the uninterrupted one. Under ZeRO-1 each rank's "
+        "optimizer state is the momentum of its own shard of the weights, saved as optimizer_file(folder, rank)",
+        f"the resumed run equals the uninterrupted one (largest gap {distance:.1e})")
 
 
 def check_fp16_step(step) -> bool:
@@ -248,9 +248,7 @@ def check_pipeline_swap(swap) -> bool:
     expected = {name: p.detach() for name, p in reference().named_parameters()}
     gap = max((weights - expected[name]).abs().max().item() for stage in results
               for name, weights in stage["weights"].items())
-    if gap > ATOL:
-        print(f"✗ no deadlock, but the stages' weights end {gap:.2e} from one process's: does ``incoming`` hold what "
-              "the peer sent (filled in place) before you return?")
-        return False
-    print(f"✓ correct: no deadlock, and both stages' weights equal one process's (largest gap {gap:.1e})")
-    return True
+    return _against_reference(
+        gap, f"no deadlock, but the stages' weights end {gap:.2e} from one process's: does ``incoming`` hold what "
+        "the peer sent (filled in place) before you return?",
+        f"no deadlock, and both stages' weights equal one process's (largest gap {gap:.1e})")
