@@ -34,7 +34,7 @@ LAYOUTS = {   # name: train_3d's layout keywords (and the Job's)
     "TP 2": dict(tp=2, num_microbatches=1),
     "1F1B PP 2, m = 4": dict(pp=2, num_microbatches=4),
 }
-STEPS = {"tiny": 8, "10× wider": 4}
+STEPS = {"tiny": 12, "10× wider": 8}
 
 
 def predicted(overrides: dict, layout: dict, gpu) -> float:

@@ -6,9 +6,12 @@ is measured, by every rank at once as the runs will run (2 ranks on 2 cores: one
 a degenerate model, never on the runs the model then predicts:
 
     matmul     torch.mm in the run's dtype, a weight's three GEMMs (forward, and backward's two with a transposed
-               operand) on a grid of shapes from 16 to 1,024: (time - one op's launch) = 2mnk / rate,
-               rate = peak · f(m)·f(n)·f(k), f(x) = x / (x + x_half) (hardware.matmul_rate); peak and x_half
-               fitted by least squares on log(rate)
+               operand) on every shape of a grid, m, n, k each 16 to 1,024: the rate of each shape is what
+               kernel_times charges all three, 3·2mnk / (their seconds - a launch each); step_time reads a shape
+               between the grid's points (hardware.grid_rate). A CPU's rate is no smooth curve of the shape: it
+               peaks where the operands fit its caches and falls beyond (here ~95 GFLOP/s at 64-256, ~72 at 1,024).
+               For the attention's fit and for describe(), peak and x_half of rate = peak · f(m)·f(n)·f(k),
+               f(x) = x / (x + x_half), fitted by least squares on log(rate)
     attention  torch's SDPA, causal, forward + backward, 64 tokens, head dims 8 to 128: its rate as a share of
                that peak, × h_d / (h_d + half) (attention_share, attention_half_dim; FLOPs as kernel_times counts
                a causal kernel's, half the square, as FlashAttention does)
@@ -76,7 +79,8 @@ def measure(rank: int, world_size: int, *, dtype=torch.float32) -> dict:
     matmuls = []
     for m in MATMUL_SIZES:
         for k in MATMUL_SIZES:
-            matmuls += _gemms(m, k, 128, dtype)
+            for n in MATMUL_SIZES:
+                matmuls += _gemms(m, k, n, dtype)
     big = [torch.randn(4 * 2**20, dtype=dtype) for _ in range(3)]
     comm.barrier()
     stream_s = _seconds(lambda: torch.add(big[0], big[1], out=big[2]), repeats=7)
@@ -151,6 +155,17 @@ def _fit_matmul(matmuls, launch_s: float) -> tuple[float, float]:
     return peak, half
 
 
+def _matmul_grid(matmuls, launch_s: float) -> tuple:
+    """((m, n, k, rate), ...): each weight's three GEMMs (_gemms, in threes) as kernel_times.matmul charges them,
+    one rate for all three, 3 · 2mnk / their seconds (less a launch each: a CPU adds it, GPU.launch_adds)."""
+    grid = []
+    for first in range(0, len(matmuls), 3):
+        m, n, k, _ = matmuls[first]
+        work = sum(max(seconds - launch_s, 1e-9) for *_, seconds in matmuls[first:first + 3])
+        grid.append((m, n, k, 3 * 2 * m * n * k / work))
+    return tuple(grid)
+
+
 def _fit_attention(runs: list[dict], peak: float, half: float, launch_s: float) -> tuple[float, float]:
     """(share, head-dim half) of rate = share · peak · f(s) · h_d / (h_d + half) that fit the measured SDPA runs
     best in log space; FLOPs as kernel_times counts a causal kernel's: 3.5 × forward's, half the square."""
@@ -184,6 +199,7 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     """The measurements as a hardware.GPU that cost.step_time takes: shares of 1 where the rate is measured."""
     launch_s, e = measured["launch_s"], measured["dtype_bytes"]
     peak, half = _fit_matmul(measured["matmuls"], launch_s)
+    grid = _matmul_grid(measured["matmuls"], launch_s)
     attention_share, attention_half = _fit_attention(measured["attention"], peak, half, launch_s)
     alpha, beta = _fit_link(measured["all_reduces"])
     link = Link("gloo on this machine (measured)", beta, alpha,
@@ -192,8 +208,7 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = GPU(name, peak, memory, measured["stream_bytes_per_s"], link, link, source, matmul_share=1.0,
               attention_share=attention_share, matmul_half_dim=half, attention_half_dim=attention_half,
-              hbm_share=1.0, launch_s=launch_s,
-              launch_adds=True)
+              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid)
     return _with_overheads(gpu, measured, e)
 
 

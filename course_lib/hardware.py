@@ -100,6 +100,9 @@ class GPU:
     layer_overhead_s: float = 0.0
     layer_update_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # A measured machine's GEMM rates by shape (course_lib.calibration): ((m, n, k, FLOP/s), ...) on a grid, read
+    # by matmul_rate in place of the curve. Empty for the catalogue's GPUs, whose curve cites its sources.
+    matmul_grid: tuple = ()
 
     @property
     def ridge_point(self) -> float:
@@ -172,8 +175,40 @@ def dimension_factor(x: float, half_dim: float = MATMUL_HALF_DIM) -> float:
 
 
 def matmul_rate(gpu: GPU, m: float, n: float, k: float) -> float:
-    """FLOP/s a [m, k] × [k, n] matmul reaches on ``gpu``: matmul_share · peak · f(m)·f(n)·f(k) (see above)."""
+    """FLOP/s a [m, k] × [k, n] matmul reaches on ``gpu``: matmul_share · peak · f(m)·f(n)·f(k) (see above), or,
+    on a machine whose GEMMs were measured on a grid of shapes (gpu.matmul_grid), the grid read between its
+    points (grid_rate)."""
     if min(m, n, k) <= 0 or not all(map(math.isfinite, (m, n, k))):
         raise ValueError(f"matmul shape m={m}, n={n}, k={k}: every dimension must be > 0")
+    if gpu.matmul_grid:
+        return grid_rate(gpu.matmul_grid, m, n, k)
     f = [dimension_factor(x, gpu.matmul_half_dim) for x in (m, n, k)]
     return gpu.matmul_share * gpu.peak_flops * f[0] * f[1] * f[2]
+
+
+def grid_rate(grid: tuple, m: float, n: float, k: float) -> float:
+    """The rate of shape (m, n, k) from rates measured on a full grid of shapes ((m, n, k, rate), ...): linear
+    in log2 of each dimension between the grid's points (trilinear), the edge's value beyond them. A CPU's GEMM
+    rate is no smooth curve (it is fastest where the operands fit its caches, slower beyond), so a measured
+    machine is read off its own measurements."""
+    rates = {(gm, gn, gk): rate for gm, gn, gk, rate in grid}
+    axes = [sorted({key[i] for key in rates}) for i in range(3)]
+
+    def around(axis, x):
+        """(low, high, weight of high) for x on one axis, clamped to its ends."""
+        x = min(max(x, axis[0]), axis[-1])
+        high = next(i for i, point in enumerate(axis) if point >= x)
+        if high == 0:
+            return axis[0], axis[0], 0.0
+        low = axis[high - 1]
+        return low, axis[high], math.log2(x / low) / math.log2(axis[high] / low)
+    corners = [around(axis, x) for axis, x in zip(axes, (m, n, k))]
+    total = 0.0
+    for pick in range(8):
+        weight, key = 1.0, []
+        for i, (low, high, w) in enumerate(corners):
+            upper = pick >> i & 1
+            weight *= w if upper else 1 - w
+            key.append(high if upper else low)
+        total += weight * rates[tuple(key)] if weight else 0.0
+    return total

@@ -117,7 +117,8 @@ def _data_parallel(stage: nn.Module, job: Job, comms: dict[str, Comm], optimizer
         return HybridShardedDataParallel(stage, comms["dp_shard_cp"], comms["dp_replicate"], units=units,
                                          **optimizer_kwargs)
     if job.zero_stage is None:
-        return NaiveDDP(stage, comms["dp_cp"])
+        # One rank holds these weights (a TP or PP mesh without DP): nothing to average, no all-reduces to send.
+        return NaiveDDP(stage, comms["dp_cp"]) if comms["dp_cp"].size > 1 else None
     return ZeroDataParallel(stage, comms["dp_cp"], zero_stage=job.zero_stage, units=units,
                             reshard_after_forward=job.reshard_after_forward,
                             reshard_after_backward=job.reshard_after_backward, **optimizer_kwargs)

@@ -16,8 +16,13 @@ from course_lib.model import preset
 
 def made_up_measurements(peak=80e9, half=20.0, alpha=300e-6, beta=1e9, launch_s=2e-6):
     """What calibration.measure returns, made from known constants (and the degenerate steps' seconds)."""
-    matmuls = [(m, 128, k, launch_s + 2 * m * 128 * k / (peak * m / (m + half) * 128 / (128 + half) * k / (k + half)))
-               for m in calibration.MATMUL_SIZES for k in calibration.MATMUL_SIZES]
+    def rate(m, n, k):
+        return peak * m / (m + half) * n / (n + half) * k / (k + half)
+    sizes = calibration.MATMUL_SIZES
+    matmuls = []       # a weight's three GEMMs, in calibration._gemms' order, each at the forward shape's rate
+    for m, k, n in ((m, k, n) for m in sizes for k in sizes for n in sizes):
+        seconds = launch_s + 2 * m * n * k / rate(m, n, k)
+        matmuls += [(m, n, k, seconds), (m, k, n, seconds), (k, n, m, seconds)]
     attention = []
     for h_d in calibration.ATTENTION_HEAD_DIMS:
         flops = 3.5 * 4 * 8 * 64 * 64 * h_d * 0.5
@@ -39,6 +44,17 @@ def test_the_fits_recover_the_constants_that_made_the_data():
     assert gpu.launch_adds and gpu.hbm_share == 1 and gpu.matmul_share == 1
     assert gpu.layer_update_overhead_s == pytest.approx(0.3e-3)          # Adam's loop over one more layer
     assert 0 < gpu.layer_overhead_s < 2e-3 and gpu.step_overhead_s > 0    # the runner's, less the kernels
+
+
+def test_a_measured_machine_reads_its_gemm_rates_off_its_own_grid():
+    gpu = calibration.as_gpu(made_up_measurements())
+    assert len(gpu.matmul_grid) == len(calibration.MATMUL_SIZES) ** 3
+    curve = 80e9 * (64 / 84) * (256 / 276) * (1024 / 1044)
+    assert matmul_rate(gpu, 64, 256, 1024) == pytest.approx(curve, rel=1e-9)         # a grid point: as measured
+    low, high = matmul_rate(gpu, 64, 64, 64), matmul_rate(gpu, 64, 256, 64)
+    assert matmul_rate(gpu, 64, 128, 64) == pytest.approx((low + high) / 2, rel=1e-9)  # halfway in log2(n)
+    assert matmul_rate(gpu, 8, 4096, 16) == matmul_rate(gpu, 16, 1024, 16)            # the edge beyond the grid
+    assert not GPUS["A100 80GB"].matmul_grid                                         # the catalogue keeps its curve
 
 
 def test_a_measured_machine_costs_a_job_and_its_overheads_count():
