@@ -14,7 +14,9 @@ width I, vocabulary V, L layers, one forward of the course model (course_lib.mod
 Backward does twice the forward: every matmul Y = X·W needs dX and dW (for QKᵀ and AV, the gradients of both
 operands). Model FLOPs = 3·forward. Recomputation adds forward work that the model does not need, counted in
 hardware FLOPs only (as ledger.activation_bytes names them): "selective" recomputes the attention core, QKᵀ
-and AV, once more; "full" recomputes each block's forward (the head is not checkpointed). That is how
+and AV, once more; "op" (torchtitan's per-op policy, course_lib.recompute) every second matmul of a block,
+k_proj, o_proj and up_proj, and none of the attention core; "full" recomputes each block's forward (the head is
+not checkpointed). That is how
 Megatron-LM counts them and what torch's reentrant checkpoint runs; torch's non-reentrant checkpoint stops as
 soon as backward has what it saved, skipping a last matmul whose output nobody saved (down_proj in a block, AV
 in the attention core): tests/test_cost.py measures both.
@@ -141,10 +143,19 @@ class Flops:
         return self.model + self.recompute
 
 
-def recompute_flops(terms: dict[str, int], recompute: str) -> int:
+def recompute_flops(terms: dict[str, int], recompute: str, config: ModelConfig | None = None) -> int:
+    """The forward matmul FLOPs that ``recompute`` runs again (``terms``: forward_terms'). "op" reruns every
+    second matmul of a block, k_proj, o_proj and up_proj, and keeps the attention core's output: a share
+    n_kv / (2·n_h + 2·n_kv) of the projections for k, n_h / (2·n_h + 2·n_kv) for o (of 2·T·d·h_d·(2·n_h + 2·n_kv)),
+    and a third of the MLP (``config`` gives the heads)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     core = terms["attention scores"] + terms["attention values"]
+    if recompute == "op":
+        if config is None:
+            raise ValueError("recompute='op': pass the model's config (its heads split the projections' FLOPs)")
+        n_h, n_kv = config.num_heads, config.num_kv_heads
+        return terms["attention projections"] * (n_kv + n_h) // (2 * n_h + 2 * n_kv) + terms["mlp"] // 3
     return {"none": 0, "selective": core,
             "full": core + terms["attention projections"] + terms["mlp"]}[recompute]
 
@@ -154,7 +165,7 @@ def flops_per_step(config: ModelConfig, *, batch_size: int, seq_len: int, recomp
     docstring): causal attention counted in full, as Megatron-LM, PaLM and FlopCounterMode count it."""
     terms = forward_terms(config, batch_size=batch_size, seq_len=seq_len)
     forward = sum(terms.values())
-    return Flops(forward, 2 * forward, recompute_flops(terms, recompute),
+    return Flops(forward, 2 * forward, recompute_flops(terms, recompute, config),
                  six_nd(config, tokens=batch_size * seq_len))
 
 
@@ -279,7 +290,7 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
                                  recompute=job.recompute, attention=attention, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
-    layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute)
+    layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute, config)
     layer_flops /= config.num_layers
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
     tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
@@ -312,8 +323,8 @@ def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> fl
     link = link_for(t, job.gpus_per_node, hw)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
     one = sum(link.cost_model().seconds(op, traffic["payload_bytes_each"], t) for op in ops)
-    passes = 4 if job.recompute == "full" else 3        # forward, input gradients, weight gradients (+ rerun)
-    weight_gradients = sum(op.seconds for op in layer_ops if op.name.endswith("_proj")) / passes
+    # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
+    weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
     backward = 2 * one                                   # the backward's two all-reduces of the layer
     return per_layer * one - min(tp_overlap * backward, weight_gradients)
 

@@ -8,7 +8,8 @@ A matmul [M, K] × [K, N] does 2·M·K·N FLOPs and moves at least (M·K + K·N 
 write the result once; e bytes per element). Its rate is not the dense peak: hardware.matmul_rate gives the
 share a GEMM of that shape reaches (published benchmarks, hardware.GEMM_SOURCES: large GEMMs ~75% of an A100's
 peak, ~67% of an H100's, less when a dimension is small). Backward runs two more GEMMs of the same three dimensions, dX and dW:
-three GEMMs per weight matrix in all (four with full recomputation's extra forward).
+three GEMMs per weight matrix in all (four where recomputation reruns it: every one under "full"; k, o and up
+under "op", torchtitan's per-op policy).
 
 The operations that no FLOP formula counts (MFU leaves them out, see cost.py) are memory-bound: a few FLOPs per
 element against hundreds of FLOPs per byte at the ridge. Their bytes, per token on one of t GPUs (r = 1/t with
@@ -179,11 +180,17 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     q_width, kv_width = config.num_heads * h_d // t, config.num_kv_heads * h_d // t
     mlp_width = config.intermediate // t
     experts = config.top_k if getattr(config, "num_experts", 0) else 1
-    full = recompute == "full"
-    passes = 4 if full else 3
-    ops = [matmul("q_proj", gpu, T, d, q_width, e, passes), matmul("k_proj", gpu, T, d, kv_width, e, passes),
-           matmul("v_proj", gpu, T, d, kv_width, e, passes), matmul("o_proj", gpu, T, q_width, d, e, passes)]
-    ops += [matmul(name, gpu, T, k, n, e, passes).times(experts)
+    # A recomputed block ("full", or "op": every second matmul, k, o and up, whose outputs it does not keep) runs
+    # its elementwise ops again, and the matmuls it reruns a fourth time.
+    full = recompute in ("full", "op")
+    rerun = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} if recompute == "full" \
+        else {"k_proj", "o_proj", "up_proj"} if recompute == "op" else set()
+
+    def passes(name):
+        return 4 if name in rerun else 3
+    ops = [matmul(name, gpu, T, k, n, e, passes(name)) for name, k, n in (
+        ("q_proj", d, q_width), ("k_proj", d, kv_width), ("v_proj", d, kv_width), ("o_proj", q_width, d))]
+    ops += [matmul(name, gpu, T, k, n, e, passes(name)).times(experts)
             for name, k, n in (("gate_proj", d, mlp_width), ("up_proj", d, mlp_width), ("down_proj", mlp_width, d))]
     heads = b * config.num_heads // t
     core_again = recompute in ("selective", "full")

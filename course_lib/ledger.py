@@ -192,7 +192,8 @@ def deepspeed_estimate(num_params, stage: int, world_size: int, largest_layer_pa
 # 2. Activations: the published formula, and the course model's own
 # ---------------------------------------------------------------------------------------------------
 
-RECOMPUTE = ("none", "selective", "full")
+# course_lib.recompute's policies: what a layer keeps for backward ("op": torchtitan's per-op selective AC)
+RECOMPUTE = ("none", "selective", "op", "full")
 
 
 def _check_shape(seq_len, batch_size, hidden, heads, num_layers=1, tp=1):
@@ -229,8 +230,9 @@ def activation_bytes(seq_len: int, batch_size: int, hidden: int, heads: int, num
     included (the paper counts them apart).
     """
     _check_shape(seq_len, batch_size, hidden, heads, num_layers, tp)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: Korthikanti et al.'s formula covers none, selective and full "
+                         "(the course model's own, gpt_layer_activation_bytes, covers every policy)")
     s, b, h, a, t = seq_len, batch_size, hidden, heads, tp
     sbh = s * b * h
     split = t if sequence_parallel else 1            # sequence parallelism splits what plain TP keeps whole
@@ -297,7 +299,9 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
     per layer the course saves 2·bsd·e more than "everything / tp" would.
 
     ``recompute`` (course_lib.recompute): "selective", the attention core keeps q, k, v (k and v at their
-    n_kv heads) and o_proj saves its output; "full", {"layer input": b·s·d·e (/ tp under SP)}: what the layer
+    n_kv heads) and o_proj saves its output; "op", the layer's input and the outputs of q_proj, v_proj, SDPA (with
+    its log-sum-exp), gate_proj and down_proj (torch keeps them in the checkpoint, recompute.EveryOtherMatmul
+    counts them); "full", {"layer input": b·s·d·e (/ tp under SP)}: what the layer
     keeps while backward has not reached it. ``fused_norm`` False: the norms as F.rms_norm decomposed saves them
     (rms_norm_bytes). Exact for torch 2.13 on CPU (the virtual cluster and the tests measure it)."""
     b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
@@ -314,6 +318,12 @@ def gpt_layer_activation_bytes(config, batch_size: int, seq_len: int, dtype=torc
     sequence_split = tp if sequence_parallel else 1      # the norms: whole under plain TP, s/tp tokens under SP
     if recompute == "full":
         return {"layer input": b * s * d * e // sequence_split}
+    if recompute == "op":           # the layer's input, and the outputs recompute.EveryOtherMatmul keeps
+        return {"layer input": b * s * d * e // sequence_split, "q_proj output": b * s * d * e // tp,
+                "v_proj output": b * s * kv_width * e // tp,
+                "attention output": (b * s * d * e + b * heads * s * f32) // tp,    # and its log-sum-exp
+                "gate_proj output": b * s * inter * e // tp,
+                "down_proj output": b * s * d * e}   # a row-parallel layer's partial sums: whole on each rank
     rms_norm = rms_norm_bytes(b, s, d, dtype, fused_norm) // sequence_split
     rotary = 4 * s * (config.head_dim // 2) * f32
     if recompute == "selective":    # q (n_h heads), k and v (n_kv heads) kept; SDPA's output saved by o_proj
@@ -337,19 +347,24 @@ def recomputed_layer_bytes(config, batch_size: int, seq_len: int, dtype=torch.fl
     RecomputeMeter measures it), held while backward goes through that piece: the peak adds it once.
 
     "full", a layer: its own terms (gpt_layer_activation_bytes) less its input, which the norm saves and the
-    checkpoint already keeps (F.rms_norm decomposed saves an fp32 copy instead, except in fp32). "selective", an
+    checkpoint already keeps (F.rms_norm decomposed saves an fp32 copy instead, except in fp32); "op", the same
+    less SDPA's output and gate_proj's, which the forward kept (gpt_layer_activation_bytes). "selective", an
     attention core: SDPA's repeated k and v, its output and log-sum-exp, (3·b·s·d·e + b·n_h·s·4) / tp (q, the
     core's input, is kept). "none": 0."""
     b, s, e = _check_activation_shape(config, batch_size, seq_len, dtype)
     if recompute == "selective":
         return (3 * b * s * config.hidden * e + b * config.num_heads * s * 4) // tp
-    if recompute != "full":
+    if recompute not in ("full", "op"):
         return 0
     layer = gpt_layer_activation_bytes(config, b, s, dtype, tp, sequence_parallel, fused_norm=fused_norm)
     layer_input = gpt_layer_activation_bytes(config, b, s, dtype, tp, sequence_parallel,
                                              recompute="full")["layer input"]
     shared = fused_norm or e == 4
-    return sum(layer.values()) - (layer_input if shared else 0)
+    rerun = sum(layer.values()) - (layer_input if shared else 0)
+    if recompute == "op":       # what backward reads that the forward kept already: SDPA's output, gate's
+        kept = gpt_layer_activation_bytes(config, b, s, dtype, tp, sequence_parallel, recompute="op")
+        rerun -= kept["attention output"] + kept["gate_proj output"]
+    return rerun
 
 
 def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32,
@@ -359,7 +374,8 @@ def gpt_activation_bytes(config, batch_size: int, seq_len: int, dtype=torch.floa
     Returns the terms of the module docstring, keyed by the module that saves them (layer terms summed
     over all layers), and "total". Exact for torch 2.13 on CPU; batch_size=0 gives the part that does not
     grow with the batch (rotary tables, one scalar). recompute (course_lib.recompute.apply_checkpointing):
-    "selective" checkpoints each attention core; "full" keeps each layer's input. With either, the total is the
+    "selective" checkpoints each attention core; "op" keeps each layer's input and every second matmul's output;
+    "full" keeps each layer's input. With any of them, the total is the
     peak: plus what one rerun (a core, a layer) saves while backward recomputes it ("one layer, recomputed",
     recomputed_layer_bytes).
     """

@@ -68,6 +68,7 @@ import torch.nn as nn
 from .comm import Comm
 from .measure import SavedActivations
 from .model import loss_fn as default_loss_fn
+from .recompute import kept_during
 from .schedules import SCHEDULES as SCHEDULES
 from .schedules import gpipe_actions as gpipe_actions
 from .schedules import needs_from, op_parts, schedule_actions, sends_to, splits_backward
@@ -304,7 +305,8 @@ class StepRecorder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # a received tensor has arrived: waiting for it is idle, not the op
         start = time.perf_counter()
-        with SavedActivations(self.stage_module) if measured else contextlib.nullcontext() as saved:
+        with (SavedActivations(self.stage_module) if measured else contextlib.nullcontext() as saved,
+              kept_during(self.stage_module) as kept):      # recompute="op" keeps some outputs in the checkpoint
             yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # GPU work is asynchronous: the op is done when the device is
@@ -315,7 +317,7 @@ class StepRecorder:
             self.overruns += left < 0
         end = time.perf_counter()
         if kind == "F":
-            self.saved[k, chunk] = saved.bytes if measured else 0
+            self.saved[k, chunk] = saved.bytes + kept["bytes"] if measured else 0
         elif kind == "W" or not self.split_backward:
             self.saved.pop((k, chunk))
         self.events.append(Event(self.stage, kind, k, start - self.t0, end - self.t0, chunk))

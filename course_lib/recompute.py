@@ -14,8 +14,16 @@ it runs f's forward once more, on the kept inputs, and then its backward. Memory
                   (the 5·a·s/h term goes); SDPA already recomputes the scores in its backward, so here it saves
                   only the repeated k, v and the log-sum-exp. Extra compute: the core once more
                   (cost.recompute_flops(terms, "selective")).
+    "op"          every block is checkpointed, and torch's selective checkpointing (create_selective_checkpoint_
+                  contexts) keeps some outputs inside it: every matmul's but every second one's, and SDPA's
+                  (EveryOtherMatmul, torchtitan's per-op policy). A layer keeps its input and the outputs of
+                  q_proj, v_proj, SDPA (with its log-sum-exp), gate_proj and down_proj; backward reruns k_proj,
+                  o_proj, up_proj and the cheap ops between (norms, rotary, SiLU, residual adds), never the
+                  attention core. Extra compute: those three matmuls (cost.recompute_flops(terms, "op", config)).
+                  torch holds the kept outputs in the checkpoint, where saved-tensor hooks do not see them:
+                  kept_by_policy(model) counts them.
 
-Both run on torch.utils.checkpoint, non-reentrant (torch's recommended mode: it works with hooks, with inputs
+All run on torch.utils.checkpoint, non-reentrant (torch's recommended mode: it works with hooks, with inputs
 that need no gradient, and stops recomputing as soon as backward has every tensor it saved, so a last matmul
 whose output nobody saved, down_proj in a block or AV in the core, is not run again: tests/test_cost.py and
 tests/test_checkpointing.py count it). preserve_rng_state=False: the course model draws no random numbers
@@ -35,32 +43,81 @@ import contextlib
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "selective", "op", "full")
+
+aten = torch.ops.aten
+MATMULS = (aten.mm.default, aten.addmm.default, aten.linear.default)
+# The attention kernels whose outputs "op" keeps: SDPA's fused backends (the CPU's flash kernel among them), and
+# the batched matmuls of its math backend (torchtitan keeps every op of torch's compute-intensive list).
+ATTENTION_KERNELS = (aten._scaled_dot_product_flash_attention.default,
+                     aten._scaled_dot_product_flash_attention_for_cpu.default,
+                     aten._scaled_dot_product_efficient_attention.default,
+                     aten._scaled_dot_product_cudnn_attention.default, aten.bmm.default)
+
+
+class EveryOtherMatmul:
+    """The "op" policy for one forward of a block (torch's selective checkpointing, torch.utils.checkpoint.
+    create_selective_checkpoint_contexts): keep the output of every matmul but every second one, and the attention
+    kernel's; recompute everything else. torchtitan's per-op selective AC (torchtitan/distributed/
+    activation_checkpoint.py, SelectiveAC: "recomputes every second matmul to balance memory and compute").
+
+    In the course's block the matmuls run q, k, v, o, gate, up, down: q, v, gate and down are kept, k, o and up
+    recomputed, with the norms, rotary, SiLU and the residual adds. ``cached``: storage -> bytes that this
+    forward kept (torch holds them in the checkpoint, outside autograd's saved tensors)."""
+
+    def __init__(self):
+        self.matmuls = {False: 0, True: 0}        # counted apart in the forward and in its recomputation
+        self.cached: dict = {}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in MATMULS:
+            self.matmuls[ctx.is_recompute] += 1
+            keep = self.matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in ATTENTION_KERNELS
+        if keep and not ctx.is_recompute:
+            for tensor in torch.utils._pytree.tree_leaves(ctx.op_output):
+                if torch.is_tensor(tensor):
+                    key, nbytes = _storage(tensor)
+                    self.cached[key] = nbytes
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Checkpointed:
-    """Runs ``function`` under torch.utils.checkpoint (non-reentrant). While a :class:`RecomputeMeter` watches,
-    each rerun in backward also reports the bytes it saves (module docstring of RecomputeMeter)."""
+    """Runs ``function`` under torch.utils.checkpoint (non-reentrant), with ``policy`` (a class such as
+    EveryOtherMatmul, one instance per forward) choosing what to keep, or None to keep nothing but the inputs.
+    While a :class:`RecomputeMeter` watches, each rerun in backward also reports the bytes it saves (module
+    docstring of RecomputeMeter). ``cached``: what the last forward's policy kept (storage -> bytes)."""
 
-    def __init__(self, function):
-        self.function, self.meter = function, None
+    def __init__(self, function, policy=None):
+        self.function, self.policy, self.meter, self.cached = function, policy, None, {}
+        self._kept_by_this_forward = {}       # while a rerun runs: what its own forward's policy kept
 
     def __call__(self, *args):
         # The rerun runs inside the autograd engine, where the torch function modes of the forward (the virtual
         # cluster's MetaFlashAttention) are not active: enter them again, so the rerun computes as the forward did.
         modes = torch.overrides._get_current_function_mode_stack()
+        policy = self.policy() if self.policy is not None else None
+        kept = policy.cached if policy is not None else {}
+        if policy is not None:
+            self.cached = kept
 
         @contextlib.contextmanager
         def rerun():
+            # (under a pipeline, other micro-batches' forwards have run since: this rerun's forward kept ``kept``)
+            self._kept_by_this_forward = kept
             with contextlib.ExitStack() as stack:
                 for mode in modes:
                     stack.enter_context(mode)
                 yield
 
         def contexts():
-            return contextlib.nullcontext(), rerun()
+            if policy is None:
+                return contextlib.nullcontext(), rerun()
+            forward, recompute = create_selective_checkpoint_contexts(policy)
+            return forward, _both(rerun(), recompute)
 
         return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
@@ -72,7 +129,7 @@ class _Checkpointed:
         # hands it to that hook unchanged. torch has no public way to chain saved-tensor hooks, hence the
         # private getter of the innermost pair.
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        inputs = {_storage(a)[0] for a in args if torch.is_tensor(a)}
+        inputs = {_storage(a)[0] for a in args if torch.is_tensor(a)} | set(self._kept_by_this_forward)  # held
         counted: dict = {}
 
         def count_then_pack(tensor):
@@ -88,6 +145,13 @@ class _Checkpointed:
             self.meter.reruns.append(sum(counted.values()))
 
 
+@contextlib.contextmanager
+def _both(first, second):
+    """Enter ``first``, then ``second`` (both made, neither entered yet), when this is entered."""
+    with first, second:
+        yield
+
+
 def _storage(tensor: torch.Tensor):
     storage = tensor.untyped_storage()
     name = storage._cdata if storage.device.type == "meta" else storage.data_ptr()
@@ -97,7 +161,8 @@ def _storage(tensor: torch.Tensor):
 class RecomputeMeter:
     """Counts what backward's recomputations save, each rerun apart: ``reruns`` (bytes per rerun, in order) and
     ``peak`` (the largest). A rerun's inputs are left out (the checkpoint already holds them: they are the
-    forward's saved bytes), and so are parameters and their views, as measure.SavedActivations counts.
+    forward's saved bytes), and so are what its forward's "op" policy kept, and parameters and their views, as
+    measure.SavedActivations counts.
 
         with RecomputeMeter(model) as meter:
             loss.backward()
@@ -105,7 +170,7 @@ class RecomputeMeter:
     """
 
     def __init__(self, model: nn.Module):
-        self.wrappers = [w for m in model.modules() for w in vars(m).values() if isinstance(w, _Checkpointed)]
+        self.wrappers = _wrappers(model)
         self.excluded = {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
         self.reruns: list[int] = []
 
@@ -123,8 +188,31 @@ class RecomputeMeter:
             wrapper.meter = None
 
 
+def _wrappers(model: nn.Module) -> list[_Checkpointed]:
+    return [w for m in model.modules() for w in vars(m).values() if isinstance(w, _Checkpointed)]
+
+
+def kept_by_policy(model: nn.Module) -> int:
+    """Bytes that the last forward's "op" policies keep (EveryOtherMatmul.cached, over every checkpointed
+    block): torch holds them in each checkpoint, where autograd's saved-tensor hooks (measure.SavedActivations)
+    do not see them. 0 for the other policies."""
+    return sum(sum(wrapper.cached.values()) for wrapper in _wrappers(model))
+
+
+@contextlib.contextmanager
+def kept_during(model: nn.Module):
+    """What the "op" policies of ``model``'s blocks keep in the forwards run inside the block (yields a dict
+    whose "bytes" is filled in at the end): the blocks that ran, not those of another micro-batch or chunk."""
+    wrappers = _wrappers(model)
+    before = [wrapper.cached for wrapper in wrappers]
+    kept = {"bytes": 0}
+    yield kept
+    kept["bytes"] = sum(sum(w.cached.values()) for w, old in zip(wrappers, before) if w.cached is not old)
+
+
 def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
-    """Checkpoint ``model``'s blocks ("full") or each block's attention core ("selective"), in place; "none"
+    """Checkpoint ``model``'s blocks ("full"; "op", keeping every second matmul's output) or each block's
+    attention core ("selective"), in place; "none"
     changes nothing. Works on the whole model, a pipeline stage (its nn.Identity layers are skipped) or a
     ModuleList of stage chunks, after apply_tp (with or without SP) and apply_context_parallel ("selective" leaves
     ring attention as it is: its own Function keeps only q, k, v, its output and log-sum-exp, and rerunning it
@@ -140,6 +228,8 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
                 continue
             if policy == "full":
                 layer.forward = _Checkpointed(layer.forward)   # an instance attribute: the module's hooks stay
+            elif policy == "op":
+                layer.forward = _Checkpointed(layer.forward, EveryOtherMatmul)
             elif policy == "selective" and hasattr(layer.attn, "core"):
                 # (context parallelism's ring attention has no separate core: its Function keeps only q, k, v, its
                 # output and log-sum-exp already, and rerunning it would rerun the ring: left as it is)
@@ -149,6 +239,6 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
 
 
 def checkpointed(model: nn.Module) -> str:
-    """The policy ``model`` (or its first chunk) runs: "none", "selective" or "full"."""
+    """The policy ``model`` (or its first chunk) runs: one of POLICIES."""
     chunk = model[0] if isinstance(model, nn.ModuleList) else model
     return getattr(chunk, "recompute", "none")

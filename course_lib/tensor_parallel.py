@@ -392,11 +392,12 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
     ``recompute="full"`` (course_lib.recompute): backward reruns each layer's forward, and with it its
     collectives up to the last saved tensor, down_proj's input: attention's g (SP: both all-gathers and o_proj's
     reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes").
+    ``recompute="op"`` reruns the same collectives: o_proj is recomputed, and the MLP's input is needed again.
     """
     check_tp_divisible(config, tp)
     layers = config.num_layers if num_layers is None else num_layers
     payload = tp_allreduce_bytes(batch_size, seq_len, config.hidden, bytes_per_element)
-    rerun = layers if recompute == "full" else 0
+    rerun = layers if recompute in ("full", "op") else 0
     if not sequence_parallel:
         per_direction = 2 * layers
         return {"forward_all_reduces": per_direction, "backward_all_reduces": per_direction + rerun,

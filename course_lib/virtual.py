@@ -28,8 +28,9 @@ attention scores; on CPU (and CUDA) it runs a flash kernel that stores q, k, v, 
 log-sum-exp. :class:`MetaFlashAttention` sends meta SDPA to the CPU flash kernel, so meta saves what a real
 run saves (checked on the tiny model: every module's saved bytes equal a CPU run's).
 
-``recompute`` runs course_lib.recompute ("selective": each attention core, "full": each block, through
-torch.utils.checkpoint): the forward's saved bytes are measured as before, and what each rerun saves in
+``recompute`` runs course_lib.recompute ("selective": each attention core, "full": each block, "op": each block
+keeping every second matmul's output, through torch.utils.checkpoint): the forward's saved bytes are measured
+as before (with what "op" keeps in the checkpoint, recompute.kept_during), and what each rerun saves in
 backward by recompute.RecomputeMeter; the peak is the most held plus the largest rerun. A recomputed block
 reruns its TP collectives: traced. ``sequence_parallel`` runs ``apply_tp(..., sequence_parallel=True)``
 (activations and the TP group's bytes measured, the all-gathers at the stack's ends and the norm-weight

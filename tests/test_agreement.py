@@ -43,6 +43,7 @@ WORLDS = [
      {"sequence_parallel": True, "recompute": "full", "vocab_parallel": True}),
     ("tp2 pp2 selective vocab", TINY, Mesh(tp=2, pp=2), 0, {"recompute": "selective", "vocab_parallel": True}),
     ("cp2 pp2 full", TINY, Mesh(cp=2, pp=2), 1, {"recompute": "full"}),
+    ("dp2 tp2 pp2 sp op", TINY, Mesh(dp=2, tp=2, pp=2), 1, {"sequence_parallel": True, "recompute": "op"}),
     ("pp2 zb-h1 dp2", TINY, Mesh(pp=2, dp=2), 1, {"schedule": "zb-h1", "recompute": "none"}),
     ("pp2 v2 tp2 sp full", TINY, Mesh(pp=2, tp=2), 1,
      {"schedule": "interleaved", "num_chunks": 2, "recompute": "full", "sequence_parallel": True}),
@@ -91,4 +92,4 @@ def test_every_axis_is_in_some_world():
         used |= {key for key in ("sequence_parallel", "num_chunks", "vocab_parallel") if options.get(key)}
         used |= {options.get("schedule", "1f1b"), options.get("recompute", "selective")}
     assert used >= {"dp", "tp", "pp", "cp", "ep", "hsdp", "zero0", "zero1", "zero2", "zero3", "sequence_parallel",
-                    "1f1b", "gpipe", "interleaved", "zb-h1", "num_chunks", "vocab_parallel", "selective", "full"}
+                    "1f1b", "gpipe", "interleaved", "zb-h1", "num_chunks", "vocab_parallel", "selective", "op", "full"}

@@ -27,7 +27,7 @@ def layout(**changes):
     (layout(dp=4), ["✗ ValueError: world_size 64 != dp 4 × tp 4 × pp 8 = 128"]),
     (layout(dp=1, tp=16, pp=4), ["✗ ValueError: 8 key/value heads (num_kv_heads) cannot split over TP=16"]),
     (layout(zero_stage=4), ["✗ zero_stage=4: one of 0 (DDP), 1, 2, 3"]),
-    (layout(recompute="some"), ["✗ recompute='some': one of 'none', 'selective', 'full'"]),
+    (layout(recompute="some"), ["✗ recompute='some': one of 'none', 'selective', 'op', 'full'"]),
     (layout(sequence_parallel="yes"), ["✗ sequence_parallel='yes': True or False"]),
     (layout(micro_batch_size=1.5), ["✗ micro_batch_size=1.5: a whole number of sequences >= 1"]),
     (layout(micro_batch_size=3), ["✗ the 512 sequences of a step do not split into dp 2 × micro-batches of 3: "

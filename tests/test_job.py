@@ -108,7 +108,8 @@ def test_fsdp_kept_across_micro_batches_gathers_and_reduces_once_a_step():
 
 @pytest.mark.parametrize("changes, rule", [
     (dict(zero_stage=5), "zero_stage=5: one of None (NaiveDDP), 0, 1, 2, 3"),
-    (dict(recompute="all"), "recompute='all': one of none, selective, full"),
+    (dict(recompute="all"), "recompute='all': one of none, selective, op, full"),
+    (dict(recompute="op", mesh=Mesh(cp=2)), "recompute='op' with cp 2 and num_experts=0: the per-op policy counts"),
     (dict(mesh=Mesh(tp=3)), "3"),
     (dict(num_microbatches=2**40), "num_microbatches=1099511627776 must be a whole number from 1 to 1,048,576"),
     (dict(convention="fp32", dtype="bf16"), "convention='fp32' keeps 4-byte weights, dtype='bf16' has 2"),

@@ -35,7 +35,7 @@ def test_the_job_names_every_rule_it_breaks_in_one_error():
         assert rule in message, rule
     assert message.count("; ") >= 2
     Job(TINY, Mesh(dp=2, tp=2, pp=2), seq_len=16, micro_batch_size=2, num_microbatches=2).check()   # a good one
-    with pytest.raises(ValueError, match=r"recompute='some': one of none, selective, full"):
+    with pytest.raises(ValueError, match=r"recompute='some': one of none, selective, op, full"):
         Job(TINY, recompute="some").check()
     with pytest.raises(ValueError, match=r"schedule='zb-h1' with recompute='full': ZB-H1's W"):
         Job(TINY, Mesh(pp=2), schedule="zb-h1", recompute="full", num_microbatches=2).check()

@@ -123,7 +123,7 @@ def test_bad_smells_and_bad_input():
     assert bad_smells(Mesh(dp=2, tp=8, pp=2), gpus_per_node=8, num_microbatches=16) == []
     with pytest.raises(ValueError, match="num_gpus=12 must be a whole number of nodes of gpus_per_node=8"):
         plan(preset("tiny"), num_gpus=12, gpu_bytes=80 * GB)
-    with pytest.raises(ValueError, match="recompute='some': choose one of none, selective, full"):
+    with pytest.raises(ValueError, match="recompute='some': choose one of none, selective, op, full"):
         Workload(recompute="some")
     for bad, says in ((None, "plan takes a ModelConfig first .* not NoneType"),
                       ("llama2-7b", "plan takes a ModelConfig first .* not str 'llama2-7b'")):

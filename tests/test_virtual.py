@@ -123,7 +123,7 @@ def test_recomputation_and_the_split_vocabulary_run_and_equal_the_formulas(seque
     mesh, m = Mesh(dp=2, tp=2, pp=2), 2
     runs = {recompute: run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m, recompute=recompute,
                                     sequence_parallel=sequence_parallel, vocab_parallel=True), 0)
-            for recompute in ("none", "selective", "full")}
+            for recompute in ("none", "selective", "op", "full")}
     for recompute, run in runs.items():
         assert run["computed"] == [], recompute
         formula = run["formulas"]
@@ -131,8 +131,8 @@ def test_recomputation_and_the_split_vocabulary_run_and_equal_the_formulas(seque
             assert run[key] == formula[key], (recompute, key)
         assert run["sent_bytes"]["tp"] == formula["sent_bytes"]["tp"], recompute
         assert run["sent_bytes"]["pp"] == formula["sent_bytes"]["pp"], recompute
-    assert runs["full"]["activation_bytes_peak"] < runs["selective"]["activation_bytes_peak"] < runs["none"][
-        "activation_bytes_peak"]
+    peaks = [runs[recompute]["activation_bytes_peak"] for recompute in ("full", "op", "selective", "none")]
+    assert peaks == sorted(set(peaks))                  # each policy keeps less than the next
     assert runs["full"]["sent_bytes"]["tp"] > runs["none"]["sent_bytes"]["tp"]   # a rerun block's collectives
     assert runs["selective"]["sent_bytes"]["tp"] == runs["none"]["sent_bytes"]["tp"]   # the core talks to nobody
     plain = run_rank(job(TINY, mesh, seq_len=16, num_microbatches=m, sequence_parallel=sequence_parallel), 0)
@@ -364,7 +364,7 @@ def test_command_line_runs_cp_and_ep(capsys):
     assert run["state_bytes"]["weights"] == 2 * params_per_rank(preset("mixtral-8x7b"), Mesh(dp=4, ep=4), 0)
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "op", "full"])
 def test_the_norm_as_the_cpu_runs_it_equals_its_formula_too(recompute):
     """fused_norm=False: every RMSNorm runs F.rms_norm (fp32 copies of its input and of x·rstd, as torch runs it on
     the CPU), and the formulas' fused_norm=False predicts it; the fused norm keeps less."""

@@ -91,8 +91,8 @@ def spell(job: Job, global_batch_size: int | None = None) -> dict[str, str]:
              "[parallelism] tensor_parallel_degree =": str(mesh.tp),
              "[parallelism] pipeline_parallel_degree =": str(mesh.pp),
              "[parallelism] context_parallel_degree =": str(mesh.cp),
-             "[activation_checkpoint] mode =": f'"{job.recompute}"'}
-    if job.recompute == "selective":
+             "[activation_checkpoint] mode =": f'"{"selective" if job.recompute == "op" else job.recompute}"'}
+    if job.recompute in ("selective", "op"):       # torchtitan's only selective policy per op is "op"
         lines["[activation_checkpoint] selective_ac_option ="] = '"op"'
     # Without a pipeline, each of the m micro-batches is a pass of local_batch_size (gradient accumulation);
     # with one, local_batch_size is cut into micro-batches of pipeline_parallel_microbatch_size. -1: one pass.
@@ -295,11 +295,8 @@ def _recompute(checkpointing: dict, not_modelled: list[str]) -> str:
     option = str(checkpointing.get("selective_ac_option", "2"))
     if mode != "selective":
         return mode
-    if option == "op":
-        not_modelled.append('[activation_checkpoint] selective_ac_option = "op": torchtitan saves every other '
-                            "matmul's output and reruns the rest; counted as Megatron's selective recomputation "
-                            "(each attention core rerun), which keeps more: the activations here are an upper bound")
-        return "selective"
+    if option == "op":        # every second matmul rerun: the course runs the same policy (recompute.EveryOtherMatmul)
+        return "op"
     if option.isdigit() and int(option) >= 1:
         if int(option) > 1:
             not_modelled.append(f'[activation_checkpoint] selective_ac_option = "{option}": one layer in {option} '

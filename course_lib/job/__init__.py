@@ -204,6 +204,10 @@ class Job:
         if getattr(self.config, "num_experts", 0) and mesh.tp > 1:
             found.append(f"tp {mesh.tp} with num_experts={self.config.num_experts}: the course's MoE layer has no "
                          "tensor-parallel split (apply_tp splits a dense MLP); run a mixture of experts with tp 1")
+        if self.recompute == "op" and (mesh.cp > 1 or getattr(self.config, "num_experts", 0)):
+            found.append(f"recompute='op' with cp {mesh.cp} and num_experts={self.config.num_experts}: the per-op "
+                         "policy counts a dense block's matmuls (ring attention and the experts' would rerun "
+                         "their sends); use 'full' or 'selective' there")
         if self.sequence_parallel and mesh.cp > 1:
             found.append(f"sequence_parallel with cp {mesh.cp}: apply_tp's SP would cut each rank's slice of the "
                          "sequence again, and ring attention's positions assume it does not")
