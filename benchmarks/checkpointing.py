@@ -4,11 +4,14 @@
     python benchmarks/checkpointing.py --hidden 1024 --repeats 9
 
 One forward + backward of the course model with each policy of ``apply_checkpointing`` ("none", "selective",
-"full"), timed interleaved repeat by repeat (a busy neighbour slows all alike), median of each. Beside each
-time: the bytes the forward saved (measured by SavedActivations) and the recomputed FLOPs' share
+"op", "full"), timed interleaved repeat by repeat (a busy neighbour slows all alike), median of each. Beside each
+time: the bytes the forward saved (measured by SavedActivations, with what "op" keeps in the checkpoint:
+recompute.kept_by_policy) and the recomputed FLOPs' share
 (cost.recompute_flops over the step's model FLOPs). "full" reruns every block's forward: about 1 + 1/3 of a
 step's matmuls, so expect a ratio near 1.3 where matmuls dominate (less on a CPU, where norms, rotary and
-softmax take a larger share of the time and are rerun too). The ratios are the last lines.
+softmax take a larger share of the time and are rerun too). "op" reruns a third of "full"'s matmuls but every
+op of the block passes through torch's selective-checkpoint dispatch mode, in Python, forward and rerun: on a
+small CPU model that overhead can cost as much as the matmuls it saves. The ratios are the last lines.
 """
 
 import argparse
@@ -21,7 +24,7 @@ from course_lib.cost import flops_per_step
 from course_lib.data import SyntheticTokens
 from course_lib.measure import SavedActivations
 from course_lib.model import build, loss_fn, preset, widened
-from course_lib.recompute import POLICIES, apply_checkpointing
+from course_lib.recompute import POLICIES, apply_checkpointing, kept_by_policy
 
 
 def main(argv=None):
@@ -40,7 +43,7 @@ def main(argv=None):
         with SavedActivations(model) as counted:
             loss = loss_fn(model(inputs), targets)
         loss.backward()
-        saved[policy] = counted.bytes
+        saved[policy] = counted.bytes + kept_by_policy(model)
     seconds = {policy: [] for policy in POLICIES}
     for _ in range(args.repeats):
         for policy, model in models.items():
