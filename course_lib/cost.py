@@ -14,9 +14,8 @@ width I, vocabulary V, L layers, one forward of the course model (course_lib.mod
 Backward does twice the forward: every matmul Y = X·W needs dX and dW (for QKᵀ and AV, the gradients of both
 operands). Model FLOPs = 3·forward. Recomputation adds forward work that the model does not need, counted in
 hardware FLOPs only (as ledger.activation_bytes names them): "selective" recomputes the attention core, QKᵀ
-and AV, once more; "op" (torchtitan's per-op policy, course_lib.recompute) every second matmul of a block,
-k_proj, o_proj and up_proj, and none of the attention core; "full" recomputes each block's forward (the head is
-not checkpointed). That is how
+and AV, once more; "op" (torchtitan's per-op policy) k_proj, o_proj and up_proj, every second matmul; "full"
+each block's forward (the head is not checkpointed). That is how
 Megatron-LM counts them and what torch's reentrant checkpoint runs; torch's non-reentrant checkpoint stops as
 soon as backward has what it saved, skipping a last matmul whose output nobody saved (down_proj in a block, AV
 in the attention core): tests/test_cost.py measures both.
@@ -144,10 +143,8 @@ class Flops:
 
 
 def recompute_flops(terms: dict[str, int], recompute: str, config: ModelConfig | None = None) -> int:
-    """The forward matmul FLOPs that ``recompute`` runs again (``terms``: forward_terms'). "op" reruns every
-    second matmul of a block, k_proj, o_proj and up_proj, and keeps the attention core's output: a share
-    n_kv / (2·n_h + 2·n_kv) of the projections for k, n_h / (2·n_h + 2·n_kv) for o (of 2·T·d·h_d·(2·n_h + 2·n_kv)),
-    and a third of the MLP (``config`` gives the heads)."""
+    """Forward matmul FLOPs that ``recompute`` reruns (``terms``: forward_terms'). "op" reruns k_proj, o_proj and
+    up_proj: (n_kv + n_h) / (2·n_h + 2·n_kv) of the projections and a third of the MLP (``config``: the heads)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE)}")
     core = terms["attention scores"] + terms["attention values"]

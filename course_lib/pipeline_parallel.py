@@ -291,10 +291,9 @@ class StepRecorder:
         self.stage_module, self.measure_memory = stage_module, measure_memory
         self.cost = {"F": forward_s, "B": backward_s, "W": weight_s}
         self.device = next(stage_module.parameters()).device
-        self.events: list[Event] = []
         self.in_flight = [(0.0, 0, 0)]   # (time, micro-batches held, their saved bytes) after each op
         self.saved: dict[tuple[int, int], int] = {}  # (micro-batch, chunk) → bytes its forward saved, until freed
-        self.overruns, self.stage, self.t0, self.split_backward = 0, None, None, False
+        self.events, self.overruns, self.stage, self.t0, self.split_backward = [], 0, None, None, False
 
     def start(self, stage: int, split_backward: bool = False) -> None:
         self.stage, self.t0, self.split_backward = stage, time.perf_counter(), split_backward
@@ -305,8 +304,8 @@ class StepRecorder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # a received tensor has arrived: waiting for it is idle, not the op
         start = time.perf_counter()
-        with (SavedActivations(self.stage_module) if measured else contextlib.nullcontext() as saved,
-              kept_during(self.stage_module) as kept):      # recompute="op" keeps some outputs in the checkpoint
+        with SavedActivations(self.stage_module) if measured else contextlib.nullcontext() as saved, \
+                kept_during(self.stage_module) as kept:       # (recompute="op" keeps outputs in the checkpoint)
             yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # GPU work is asynchronous: the op is done when the device is
@@ -328,8 +327,7 @@ class StepRecorder:
 
 
 def pipeline_step(stage_module: nn.Module, comm: Comm, inputs: torch.Tensor, targets: torch.Tensor, *,
-                  num_microbatches: int, schedule="1f1b", loss_fn=None,
-                  recorder: StepRecorder | None = None) -> dict:
+                  num_microbatches: int, schedule="1f1b", loss_fn=None, recorder: StepRecorder | None = None) -> dict:
     """This rank's part of one step: its stage's forwards and backwards in ``schedule``'s order. Gradients
     accumulate in .grad (zero them first; no optimizer step). Stage = ``comm.rank``; every rank passes the
     batch's inputs and targets (the first stage reads the inputs, the last the targets). ``stage_module``: this

@@ -391,8 +391,7 @@ def tp_step_traffic(config, batch_size: int, seq_len: int, tp: int, bytes_per_el
     all-reduce of each norm's weight gradient ("norm_weights_wire_bytes"). "forward_ops"/"backward_ops" count.
     ``recompute="full"`` (course_lib.recompute): backward reruns each layer's forward, and with it its
     collectives up to the last saved tensor, down_proj's input: attention's g (SP: both all-gathers and o_proj's
-    reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes").
-    ``recompute="op"`` reruns the same collectives: o_proj is recomputed, and the MLP's input is needed again.
+    reduce-scatter) again, the MLP's not ("recompute_ops", in backward_ops too, "recompute_wire_bytes"); "op" too.
     """
     check_tp_divisible(config, tp)
     layers = config.num_layers if num_layers is None else num_layers
