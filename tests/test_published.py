@@ -14,11 +14,14 @@ from course_lib.kernel_times import attention_rate
 from course_lib.mesh import Mesh
 from course_lib.model import preset
 from course_lib.published import (
+    FSDP_OVERLAP,
     LLM_FOUNDRY_FILE,
+    PUBLISHED_RUNS,
     compare_published,
     error_by_regime,
     gpt_config,
     llm_foundry_runs,
+    rank_correlation,
     torchtitan_runs,
 )
 
@@ -42,26 +45,42 @@ def test_every_llm_foundry_row_is_read_from_the_row_as_printed():
 
 
 def test_the_model_on_runs_it_was_not_shaped_beside():
-    """llm-foundry: at least 165 of 203 within 5 points (172 when written), every regime's mean within 5; every
-    row at 16k tokens and more within 6 (with attention as one flat share they were 16-22 points off on H100,
-    and the trend ran backwards); H100 there within 5 each. torchtitan, held out: the rows with full or no
-    recomputation within 7; its 'selective op' rows, run as recompute='op' (every second matmul rerun), within 8:
-    costed as the course's 'selective' (each attention core rerun), they came out 11-12 points high."""
+    """llm-foundry: at least 179 of 203 within 5 points, every regime's mean within 5; every row at 16k tokens
+    and more within 6 (with attention as one flat share they were 16-22 points off on H100, and the trend ran
+    backwards); H100 there within 5 each. torchtitan, held out: all 6 within 5, its 'selective op' rows run as
+    recompute='op' (every second matmul rerun): costed as the course's 'selective' (each attention core rerun),
+    they come out more than 5 points high."""
     runs = llm_foundry_runs()
     rows = compare_published(runs)
     by_regime = error_by_regime(rows, runs)
-    assert sum(error["within_5"] for error in by_regime.values()) >= 165
+    assert sum(error["within_5"] for error in by_regime.values()) >= 179
     assert all(abs(error["mean"]) <= 5 for error in by_regime.values()), by_regime
     long = [(row, run) for row, run in zip(rows, runs) if run.layout["seq_len"] >= 16384]
     assert len(long) == 43 and all(abs(row["points"]) <= 6 for row, _ in long)
     assert all(abs(row["points"]) <= 5 for row, run in long if run.gpu == "H100 SXM")
     titan_runs = torchtitan_runs()
     titan = compare_published(titan_runs)
-    assert len(titan) == 6 and all(abs(row["points"]) <= 7 for row in titan if "recompute op" not in row["name"])
+    assert len(titan) == 6 and all(abs(row["points"]) <= 5 for row in titan)
     per_op = [run for run in titan_runs if run.layout["recompute"] == "op"]
-    assert len(per_op) == 3 and all(abs(row["points"]) <= 8 for row in compare_published(per_op))
-    as_selective = [dataclasses.replace(run, layout={**run.layout, "recompute": "selective"}) for run in per_op]
-    assert all(row["points"] > 10 for row in compare_published(as_selective))
+    as_selective = compare_published([with_layout(run, recompute="selective") for run in per_op])
+    ours = compare_published(per_op)
+    assert len(per_op) == 3 and all(a["points"] > b["points"] + 2 for a, b in zip(as_selective, ours))
+    assert all(row["points"] > 5 for row in as_selective)
+
+
+def with_layout(run, **changes):
+    return dataclasses.replace(run, layout={**run.layout, **changes})
+
+
+def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_another():
+    """published.FSDP_OVERLAP: chosen on llm-foundry's rows (172 within 5 points with half the traffic hidden,
+    179 with none), then checked on torchtitan's, held out: 2 of 6 within 5 with half hidden, 6 of 6 with none."""
+    def within_5(runs, overlap):
+        return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap)
+                                                                         for r in runs]))
+    assert FSDP_OVERLAP == 0.0
+    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (172, 179)
+    assert (within_5(torchtitan_runs(), 0.5), within_5(torchtitan_runs(), FSDP_OVERLAP)) == (2, 6)
 
 
 def test_attention_runs_at_its_own_benchmarks_rate():
@@ -121,3 +140,23 @@ def test_a_ring_across_nodes_moves_at_its_nics_per_node(gpu, per_node, rate):
     assert link.bytes_per_s == pytest.approx(rate) and link.alpha_s == hardware.network.alpha_s
     assert link_for(8, 8, hardware, group_size=8) is hardware.nvlink
     assert link_for(64, 8, hardware) is hardware.network          # point-to-point across nodes: one NIC
+
+
+def test_runs_above_the_kernels_ceiling_are_marked():
+    """compare_published's ceiling: the figure a run would reach on the model's kernels alone (no communication,
+    bubble or optimizer), so ours <= ceiling always. The runs on one node of 8 A100 80GB that the model puts more
+    than 5 points low (recomputation, large micro-batches) all report more than that ceiling: no overlap assumption
+    could reach them, only faster kernels."""
+    rows = compare_published(llm_foundry_runs() + torchtitan_runs())
+    assert all(row["ours"] <= row["ceiling"] + 1e-12 for row in rows)
+    low = [row for row in rows if row["points"] < -5 and ", 8 A100 80GB," in row["name"]]
+    assert len(low) >= 10 and all(row["above_ceiling"] for row in low)
+
+
+def test_every_published_run_together():
+    """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 201
+    within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.9 (0.9001 when
+    written: the issue's bar, met with nothing to spare)."""
+    rows = compare_published(PUBLISHED_RUNS + llm_foundry_runs() + torchtitan_runs())
+    assert len(rows) == 225 and sum(abs(row["points"]) <= 5 for row in rows) >= 201
+    assert rank_correlation([row["ours"] for row in rows], [row["theirs"] for row in rows]) >= 0.9

@@ -24,6 +24,7 @@ import json
 
 from ..job import Job
 from ..mesh import Mesh
+from ..published import FSDP_OVERLAP
 from .common import ConfigError, ReadConfig, nearest, whole
 from .huggingface import load_model
 
@@ -161,8 +162,11 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     problems = job.problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
+    # ZeRO-3's gathers and reduce-scatters counted exposed, as the published FSDP runs fit (FSDP_OVERLAP); ZeRO-1
+    # and 2 hide half their gradient reduction behind backward with overlap_comm, as DDP's buckets do
+    overlap = FSDP_OVERLAP if stage == 3 else 0.5 if overlap else 0.0
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
-                      dp_overlap=0.5 if overlap else 0.0)
+                      dp_overlap=overlap)
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:

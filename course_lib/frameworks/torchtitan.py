@@ -29,6 +29,7 @@ import tomllib
 from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
+from ..published import FSDP_OVERLAP
 from .common import ConfigError, ReadConfig, nearest, whole
 
 # model.name -> flavour -> the model's shape (torchtitan/models/llama3/__init__.py and the older llama2's):
@@ -226,7 +227,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     return ReadConfig("torchtitan", where, job, f"{name} {flavour}", conventions, not_modelled, unknown,
                       functools.partial(spell, global_batch_size=global_batch if explicit else None),
                       grad_reduce_bytes=4 if fp32_reduce else None,
-                      recipes_convention="mixed" if amp_off else None)   # its FSDP recipes run mixed precision
+                      recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
+                      dp_overlap=FSDP_OVERLAP)   # FSDP2's traffic counted exposed, as its published runs fit
 
 
 def _mesh(parallel: dict, num_gpus: int | None) -> tuple[Mesh, bool]:
