@@ -208,7 +208,7 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = GPU(name, peak, memory, measured["stream_bytes_per_s"], link, link, source, matmul_share=1.0,
               attention_share=attention_share, matmul_half_dim=half, attention_half_dim=attention_half,
-              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid)
+              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid, nccl_rings=False)
     return _with_overheads(gpu, measured, e)
 
 

@@ -90,9 +90,10 @@ Left out: data loading, stragglers, the embedding's lookup and its gradient on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from .hardware import GPU, Link, find_gpu
+from .comm import wire_bytes
+from .hardware import GPU, find_gpu, link_for, ring_latency
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
@@ -200,22 +201,6 @@ class StepTime:
         return {**terms, "overhead": self.overhead_s} if self.overhead_s else terms
 
 
-def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | None = None) -> Link:
-    """NVLink if a group of ``group_span`` consecutive ranks stays inside one node, else the network. A ring
-    collective over ``group_size`` ranks that spans nodes with k of them in each node runs as NCCL runs it on a
-    rail-optimised cluster (one NIC per GPU): k rings side by side, each crossing each node boundary on its own
-    NIC, the other hops on NVLink, so each GPU moves its ring bytes at min(k · NIC, NVLink) (DGX A100: 8 × 25 =
-    200 GB/s; nccl-tests measure ~192 GB/s of bus bandwidth across DGX A100 nodes and ~380 across DGX H100's
-    8 × 50, NVIDIA's GTC 2024 NCCL talk). One GPU per node (a group strided by tp), or point-to-point: one NIC."""
-    if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
-        return gpu.nvlink
-    per_node = 1 if group_size is None else max(1, group_size * gpus_per_node // group_span)
-    if per_node == 1:
-        return gpu.network
-    rate = min(per_node * gpu.network.bytes_per_s, gpu.nvlink.bytes_per_s)
-    return replace(gpu.network, name=f"{gpu.network.name}, {per_node} rails per node", bytes_per_s=rate)
-
-
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather")
 
 
@@ -319,7 +304,9 @@ def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> fl
     per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
     link = link_for(t, job.gpus_per_node, hw)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
-    one = sum(link.cost_model().seconds(op, traffic["payload_bytes_each"], t) for op in ops)
+    nodes = -(-t // job.gpus_per_node)
+    one = sum(_latency(hw, link, op, t, nodes) + wire_bytes(op, traffic["payload_bytes_each"], t) / link.bytes_per_s
+              for op in ops)
     # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
     weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
     backward = 2 * one                                   # the backward's two all-reduces of the layer
@@ -339,9 +326,12 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
         gradient = weight = 0.0
         for group in data_parallel_traffic(job, stage):
             link = link_for(group["span"], job.gpus_per_node, hw, group["size"])
-            cost = link.cost_model()
+            per_node = group["size"] if group["span"] <= job.gpus_per_node else max(
+                1, group["size"] * job.gpus_per_node // group["span"])
+            nodes = -(-group["size"] // per_node)
             for op, nbytes in group["ops"].items():
-                seconds = _calls(job, op, group) * _units(job, stage) * cost.alpha + nbytes / cost.beta
+                latency = _latency(hw, link, op, group["size"], nodes)
+                seconds = _calls(job, op, group) * _units(job, stage) * latency + nbytes / link.bytes_per_s
                 if op == "all_gather":
                     weight += seconds
                 else:
@@ -355,6 +345,12 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
         window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
     hideable = gradient + weight if zero == 3 else gradient
     return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
+
+
+def _latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
+    """One collective's latency: NCCL's ring model on a catalogue GPU (hardware.ring_latency), the measured α of
+    a calibrated machine's link (gloo's, per call)."""
+    return ring_latency(op, ranks, nodes) if hw.nccl_rings else link.alpha_s
 
 
 def _units(job: Job, stage: int) -> int:

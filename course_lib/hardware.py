@@ -16,10 +16,11 @@ ones, twice these. NVLink is quoted by NVIDIA as the total of both directions (6
 sends at half of it. A network card's rate is in bits: 400 Gb/s = 50 GB/s each way. One card per GPU is the
 DGX layout (8 GPUs, 8 compute NICs per node), and Llama 3's cluster's (400 Gb/s per GPU).
 
-Latency (alpha) is not on any spec sheet: the values are assumptions of the right order, stated as such. A
-collective that is a few bytes still takes time: launching the kernel, a handshake per peer, hops through
-switches. nccl-tests report all-reduce times of order 10 µs for tiny messages inside one NVSwitch node;
-the Llama 3 paper (section 3.3.3) gives "latency up to tens of microseconds" across its multi-hop network.
+Latency is not on any spec sheet. A collective's comes from NCCL's own model of its rings (ring_latency: a
+base, then a hop per step of the ring, so it grows with the group). A point-to-point send's (a Link's alpha_s)
+is an assumption of the right order, stated as such: nccl-tests report times of order 10 µs for tiny messages
+inside one NVSwitch node; the Llama 3 paper (section 3.3.3) gives "latency up to tens of microseconds" across
+its multi-hop network.
 
 Memory is in GiB, as nvidia-smi and course_lib.units count it: the A100 80GB holds 81,920 MiB = 80 GiB, so
 the "GB" of the GPU names are GiB. (The H100's driver shows a little less, 81,559 MiB: some of it is reserved.)
@@ -28,7 +29,7 @@ the "GB" of the GPU names are GiB. (The H100's driver shows a little less, 81,55
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .comm import CostModel
 from .units import GiB
@@ -66,7 +67,8 @@ class Link:
     """One GPU's connection to its peers: bytes it can send per second (each direction) and a latency."""
     name: str
     bytes_per_s: float        # per GPU, one direction: the β of comm.CostModel
-    alpha_s: float            # seconds per collective whatever its size (an assumption, see the module docstring)
+    alpha_s: float            # seconds per send whatever its size (an assumption: the module docstring); a
+                              # catalogue GPU's collectives take ring_latency's instead
     source: str
 
     def cost_model(self) -> CostModel:
@@ -100,6 +102,8 @@ class GPU:
     layer_overhead_s: float = 0.0
     layer_update_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # A collective's latency: NCCL's ring model (ring_latency), or, False, the link's alpha_s (a measured machine's)
+    nccl_rings: bool = True
     # A measured machine's GEMM rates by shape (course_lib.calibration): ((m, n, k, FLOP/s), ...) on a grid, read
     # by matmul_rate in place of the curve. Empty for the catalogue's GPUs, whose curve cites its sources.
     matmul_grid: tuple = ()
@@ -212,3 +216,36 @@ def grid_rate(grid: tuple, m: float, n: float, k: float) -> float:
             key.append(high if upper else low)
         total += weight * rates[tuple(key)] if weight else 0.0
     return total
+
+
+# NCCL's own latency model of its ring collectives, Simple protocol (nccl src/graph/tuning.cc, ncclTopoTuneModel,
+# at commit b6475625: baseLat and hwLat): 8.4 µs to start, then every step of the ring costs a hop, 3.4 µs over
+# NVLink and 14 µs across the network. A ring all-gather or reduce-scatter over N ranks takes N - 1 steps, an
+# all-reduce 2(N - 1); on n > 1 nodes, n - 1 of them (an all-reduce: 2n) cross the network. So latency grows
+# with the ring: 32 µs for an all-gather over one node of 8, 0.30 ms over 64 GPUs on 8 nodes, 2.4 ms over 512.
+NCCL_RING_BASE_S, NCCL_NVLINK_HOP_S, NCCL_NETWORK_HOP_S = 8.4e-6, 3.4e-6, 14e-6
+
+
+def ring_latency(op: str, ranks: int, nodes: int = 1) -> float:
+    """Seconds of latency of one ring collective ``op`` over ``ranks`` GPUs on ``nodes`` nodes, by NCCL's model."""
+    if ranks <= 1:
+        return 0.0
+    steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+    across = 0 if nodes <= 1 else min(steps, 2 * nodes if op == "all_reduce" else nodes - 1)
+    return NCCL_RING_BASE_S + (steps - across) * NCCL_NVLINK_HOP_S + across * NCCL_NETWORK_HOP_S
+
+
+def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | None = None) -> Link:
+    """NVLink if a group of ``group_span`` consecutive ranks stays inside one node, else the network. A ring
+    collective over ``group_size`` ranks that spans nodes with k of them in each node runs as NCCL runs it on a
+    rail-optimised cluster (one NIC per GPU): k rings side by side, each crossing each node boundary on its own
+    NIC, the other hops on NVLink, so each GPU moves its ring bytes at min(k · NIC, NVLink) (DGX A100: 8 × 25 =
+    200 GB/s; nccl-tests measure ~192 GB/s of bus bandwidth across DGX A100 nodes and ~380 across DGX H100's
+    8 × 50, NVIDIA's GTC 2024 NCCL talk). One GPU per node (a group strided by tp), or point-to-point: one NIC."""
+    if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
+        return gpu.nvlink
+    per_node = 1 if group_size is None else max(1, group_size * gpus_per_node // group_span)
+    if per_node == 1:
+        return gpu.network
+    rate = min(per_node * gpu.network.bytes_per_s, gpu.nvlink.bytes_per_s)
+    return replace(gpu.network, name=f"{gpu.network.name}, {per_node} rails per node", bytes_per_s=rate)

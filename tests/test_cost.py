@@ -140,7 +140,7 @@ def test_six_nd_beside_the_exact_count(name, per_token, below):
 FAST = Link("fast", bytes_per_s=1e9, alpha_s=1e-6, source="test")
 SLOW = Link("slow", bytes_per_s=1e8, alpha_s=1e-5, source="test")
 TOY_GPU = GPU("toy", peak_flops=1e12, memory_bytes=2**30, hbm_bytes_per_s=1e11, nvlink=FAST, network=SLOW,
-              source="test")
+              source="test", nccl_rings=False)      # every collective pays its link's α: term by term below
 
 
 def test_step_time_term_by_term():
@@ -239,6 +239,19 @@ def test_dp_traffic_is_zero_wire_bytes_per_step(stage):
     sent = sum(wire_bytes_per_step(params * 2, stage, 4, accumulation_steps=m).values())
     assert step.dp_comm_s == pytest.approx(calls * 35 * FAST.alpha_s + sent / FAST.bytes_per_s, rel=1e-12)
     assert step.dp_s == step.dp_comm_s                                 # dp_overlap 0: nothing hidden
+
+
+def test_a_catalogue_gpu_pays_nccls_ring_latency_per_collective():
+    """On a catalogue GPU each collective's latency is NCCL's ring model (hardware.ring_latency), not a flat α:
+    ZeRO-3 over 16 A100s on 2 nodes, 3m calls of 35 units, each a ring of 16 ranks crossing 2 nodes."""
+    from course_lib.hardware import GPUS, link_for, ring_latency
+    from course_lib.zero_bytes import wire_bytes_per_step
+    config, mesh, m = preset("llama2-7b"), Mesh(dp=16), 2
+    step = costed(config, mesh, gpu="A100 80GB", seq_len=512, micro_batch_size=1, num_microbatches=m, zero_stage=3)
+    sent = wire_bytes_per_step(param_count_formula(config) * 2, 3, 16, accumulation_steps=m)
+    beta = link_for(16, 8, GPUS["A100 80GB"], 16).bytes_per_s
+    latency = 35 * m * (2 * ring_latency("all_gather", 16, 2) + ring_latency("reduce_scatter", 16, 2))
+    assert step.dp_comm_s == pytest.approx(latency + sum(sent.values()) / beta, rel=1e-12)
 
 
 def test_overlaps_hide_what_they_can():

@@ -45,7 +45,7 @@ def test_every_llm_foundry_row_is_read_from_the_row_as_printed():
 
 
 def test_the_model_on_runs_it_was_not_shaped_beside():
-    """llm-foundry: at least 179 of 203 within 5 points, every regime's mean within 5; every row at 16k tokens
+    """llm-foundry: at least 181 of 203 within 5 points, every regime's mean within 5; every row at 16k tokens
     and more within 6 (with attention as one flat share they were 16-22 points off on H100, and the trend ran
     backwards); H100 there within 5 each. torchtitan, held out: all 6 within 5, its 'selective op' rows run as
     recompute='op' (every second matmul rerun): costed as the course's 'selective' (each attention core rerun),
@@ -53,7 +53,7 @@ def test_the_model_on_runs_it_was_not_shaped_beside():
     runs = llm_foundry_runs()
     rows = compare_published(runs)
     by_regime = error_by_regime(rows, runs)
-    assert sum(error["within_5"] for error in by_regime.values()) >= 179
+    assert sum(error["within_5"] for error in by_regime.values()) >= 181
     assert all(abs(error["mean"]) <= 5 for error in by_regime.values()), by_regime
     long = [(row, run) for row, run in zip(rows, runs) if run.layout["seq_len"] >= 16384]
     assert len(long) == 43 and all(abs(row["points"]) <= 6 for row, _ in long)
@@ -73,13 +73,13 @@ def with_layout(run, **changes):
 
 
 def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_another():
-    """published.FSDP_OVERLAP: chosen on llm-foundry's rows (172 within 5 points with half the traffic hidden,
-    179 with none), then checked on torchtitan's, held out: 2 of 6 within 5 with half hidden, 6 of 6 with none."""
+    """published.FSDP_OVERLAP: chosen on llm-foundry's rows (176 within 5 points with half the traffic hidden,
+    181 with none), then checked on torchtitan's, held out: 2 of 6 within 5 with half hidden, 6 of 6 with none."""
     def within_5(runs, overlap):
         return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap)
                                                                          for r in runs]))
     assert FSDP_OVERLAP == 0.0
-    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (172, 179)
+    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (176, 181)
     assert (within_5(torchtitan_runs(), 0.5), within_5(torchtitan_runs(), FSDP_OVERLAP)) == (2, 6)
 
 
@@ -154,9 +154,27 @@ def test_runs_above_the_kernels_ceiling_are_marked():
 
 
 def test_every_published_run_together():
-    """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 201
-    within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.9 (0.9001 when
-    written: the issue's bar, met with nothing to spare)."""
+    """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 203
+    within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.9 (0.910 when
+    written)."""
     rows = compare_published(PUBLISHED_RUNS + llm_foundry_runs() + torchtitan_runs())
-    assert len(rows) == 225 and sum(abs(row["points"]) <= 5 for row in rows) >= 201
+    assert len(rows) == 225 and sum(abs(row["points"]) <= 5 for row in rows) >= 203
     assert rank_correlation([row["ours"] for row in rows], [row["theirs"] for row in rows]) >= 0.9
+
+
+def test_a_collectives_latency_grows_with_its_ring_as_nccls_model_says():
+    """hardware.ring_latency, NCCL's tuning model (Simple protocol): 8.4 µs, plus 3.4 µs a step inside a node and
+    14 µs a step across. An all-gather over N ranks takes N - 1 steps (n - 1 of them across n nodes), an
+    all-reduce 2(N - 1) (2n across). MPT-125M on 8 to 128 A100s, 14 gathers and reductions a micro-batch: with
+    more GPUs in the ring, each costs more, and MFU falls as llm-foundry's does."""
+    from course_lib.hardware import ring_latency
+    assert ring_latency("all_gather", 1) == 0
+    assert ring_latency("all_gather", 8) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert ring_latency("reduce_scatter", 64, 8) == pytest.approx(8.4e-6 + 56 * 3.4e-6 + 7 * 14e-6)
+    assert ring_latency("all_reduce", 16, 2) == pytest.approx(8.4e-6 + 26 * 3.4e-6 + 4 * 14e-6)
+    family = [(run, row) for run, row in zip(llm_foundry_runs(), compare_published(llm_foundry_runs()))
+              if run.name.startswith("MPT-125m") and run.name.endswith("A100 40GB, s 2,048, b 26")]
+    family.sort(key=lambda pair: pair[0].mesh.dp)
+    assert [run.mesh.dp for run, _ in family] == [8, 16, 32, 64, 128]
+    theirs, ours = [row["theirs"] for _, row in family], [row["ours"] for _, row in family]
+    assert theirs == sorted(theirs, reverse=True) and ours == sorted(ours, reverse=True)
