@@ -212,11 +212,11 @@ def kept_during(model: nn.Module):
 
 def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
     """Checkpoint ``model``'s blocks ("full"; "op", keeping every second matmul's output) or each block's
-    attention core ("selective"), in place; "none"
-    changes nothing. Works on the whole model, a pipeline stage (its nn.Identity layers are skipped) or a
-    ModuleList of stage chunks, after apply_tp (with or without SP) and apply_context_parallel ("selective" leaves
-    ring attention as it is: its own Function keeps only q, k, v, its output and log-sum-exp, and rerunning it
-    would rerun the ring). Returns the model; ``model.recompute`` records the policy."""
+    attention core ("selective"), in place; "none" changes nothing. Works on the whole model, a pipeline stage (its
+    nn.Identity layers are skipped) or a ModuleList of stage chunks, after apply_tp (with or without SP) and
+    apply_context_parallel ("selective" leaves ring attention as it is: its own Function keeps only q, k, v, its
+    output and log-sum-exp, and rerunning it would rerun the ring). Returns the model; ``model.recompute`` records
+    the policy."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: choose one of {', '.join(POLICIES)}")
     chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
