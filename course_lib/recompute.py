@@ -40,6 +40,7 @@ data-parallel wrapper; `checkpointed(model)` says what a model runs.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -70,6 +71,7 @@ class EveryOtherMatmul:
     def __init__(self):
         self.matmuls = {False: 0, True: 0}        # counted apart in the forward and in its recomputation
         self.cached: dict = {}
+        self.storages: dict = {}                  # storage -> a weak reference to it: is it still held?
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in MATMULS:
@@ -82,6 +84,7 @@ class EveryOtherMatmul:
                 if torch.is_tensor(tensor):
                     key, nbytes = _storage(tensor)
                     self.cached[key] = nbytes
+                    self.storages[key] = weakref.ref(tensor.untyped_storage())
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -100,9 +103,9 @@ class _Checkpointed:
         # cluster's MetaFlashAttention) are not active: enter them again, so the rerun computes as the forward did.
         modes = torch.overrides._get_current_function_mode_stack()
         policy = self.policy() if self.policy is not None else None
-        kept = policy.cached if policy is not None else {}
+        kept = policy.storages if policy is not None else {}
         if policy is not None:
-            self.cached = kept
+            self.cached = policy.cached
 
         @contextlib.contextmanager
         def rerun():
@@ -129,12 +132,16 @@ class _Checkpointed:
         # hands it to that hook unchanged. torch has no public way to chain saved-tensor hooks, hence the
         # private getter of the innermost pair.
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        inputs = {_storage(a)[0] for a in args if torch.is_tensor(a)} | set(self._kept_by_this_forward)  # held
+        inputs = {_storage(a)[0] for a in args if torch.is_tensor(a)}
+        kept = self._kept_by_this_forward
         counted: dict = {}
 
         def count_then_pack(tensor):
             key, nbytes = _storage(tensor)
-            if key not in inputs and key not in self.meter.excluded:
+            # What its forward kept is held already, while it lives: a kept output the rerun drops (down_proj's)
+            # frees its memory, which a new tensor may then take, at the same address. So: alive now?
+            held = key in kept and kept[key]() is not None
+            if key not in inputs and key not in self.meter.excluded and not held:
                 counted[key] = nbytes
             return pack(tensor)
 
