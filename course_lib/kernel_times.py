@@ -182,7 +182,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     experts = config.top_k if getattr(config, "num_experts", 0) else 1
     # A recomputed block ("full", or "op": every second matmul, k, o and up, whose outputs it does not keep) runs
     # its elementwise ops again, and the matmuls it reruns a fourth time.
-    full = recompute in ("full", "op")
+    block_rerun = recompute in ("full", "op")
     rerun = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} if recompute == "full" \
         else {"k_proj", "o_proj", "up_proj"} if recompute == "op" else set()
 
@@ -203,7 +203,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         rate = attention_rate(gpu, attention, s, h_d, causal)
         ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
         ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
-                               1.5 / e, full))
+                               1.5 / e, block_rerun))
     else:
         extra = 1 if core_again else 0
         scores = matmul("attention scores QKᵀ", gpu, s, h_d, s, e, 3 + extra, batch=heads)
@@ -212,10 +212,10 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
                               1.0, core_again)
         ops += [scores, softmax, values]
     rows = T // t if sequence_parallel else T
-    ops.append(elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, full))
-    ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e), full))
+    ops.append(elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun))
+    ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e), block_rerun))
     ops.append(elementwise("SwiGLU products", gpu, 3 * T * mlp_width * e * experts,
-                           5 * T * mlp_width * e * experts, 2 / e, full))
+                           5 * T * mlp_width * e * experts, 2 / e, block_rerun))
     return ops
 
 

@@ -18,7 +18,7 @@ constants were chosen. Two more sets were not:
     llm_foundry_runs()   203   MPT 125M-70B, FSDP on 8-512 A100 40/80GB and H100, 512-65,536 tokens, with and
                                without activation checkpointing (published_data/llm_foundry.csv: each README
                                row as printed). Three choices were made on it, the first two with evidence of
-                               their own: the network as NCCL drives it across nodes (cost.link_for: rail-
+                               their own: the network as NCCL drives it across nodes (hardware.link_for: rail-
                                optimised rings), MPT's attention kernel (the Triton FlashAttention,
                                LLM_FOUNDRY_ASSUMED), and FSDP's traffic counted exposed (FSDP_OVERLAP)
     torchtitan_runs()      6   Llama 2 and 3 with FSDP2 on 64 A100 80GB: held out, no choice made on them; its
