@@ -3,7 +3,8 @@
     python benchmarks/cost_model.py
 
 course_lib.calibration measures this machine's rates on kernels and a degenerate model (matmul by shape, memory
-bandwidth, an op's launch, the framework's work per layer and per step, gloo's α and β), every rank at once;
+bandwidth, torch's Adam, an op's launch, the framework's work per layer and per step, each gloo collective's α and
+β), every rank at once, in about a minute;
 cost.step_time, the model that costs the GPU clusters of notebooks 06 and 09, then predicts the step of the
 course's live runs (course_lib.runs.mesh.train_3d: parallelize on a mesh, fp32, gloo) that it never saw: DDP,
 ZeRO-3, TP and 1F1B PP on 2 ranks, for the tiny model and one 10× wider. The live runs' communication is not

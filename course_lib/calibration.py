@@ -16,21 +16,28 @@ a degenerate model, never on the runs the model then predicts:
                that peak, × h_d / (h_d + half) (attention_share, attention_half_dim; FLOPs as kernel_times counts
                a causal kernel's, half the square, as FlashAttention does)
     memory     c = a + b on 4M elements: 3 elements moved per element (hbm_bytes_per_s, at share 1)
+    Adam       torch.optim.Adam's step on 4M parameters in one tensor, and zeroing their gradient: its bytes a
+               parameter at that bandwidth (GPU.optimizer_bytes_per_param; torch's Adam on a CPU runs tensor by
+               tensor, some 18 passes over memory, where a GPU's fused one makes 4)
     launch     c = a + b on one element: the least an op takes. On a CPU an op's dispatch runs before its work,
                so the two add (GPU.launch_adds), where a GPU queues kernels ahead and takes the longer
-    per layer  a training step of the course's runner (runs.mesh.train_3d, one rank) on the width-8 model of 2
-               layers less one of 1 layer, 4 tokens, less what kernel_times says the layer's kernels take and
-               what one more layer adds to Adam's step (its loop over the layer's tensors, measured apart on the
-               bare model): the framework's own work per layer and micro-batch, and per layer once a step
+    per layer  a training step of the course's runner (runs.mesh.train_3d, one rank, a run's threads) on the
+               width-8 model of 3 layers less one of 1 layer, halved, 4 tokens, less what kernel_times says the
+               layer's kernels take and what one more layer adds to Adam's step (its loop over the layer's
+               tensors, measured apart on the bare model): the framework's own work per layer and micro-batch,
+               and per layer once a step
     per step   the 1-layer step less its kernels (layer, head, optimizer) and the per-layer work: the
                framework's own work once a step (the loss, the embedding, the executor, zeroing)
-    gloo       course_lib.comm.Comm's all-reduce of 1 to 4M elements: α and β of α + wire bytes / β by least
-               squares, the one link every axis uses on this machine (NVLink and network alike)
+    gloo       course_lib.comm.Comm's all-reduce, all-gather, reduce-scatter and pipeline exchange of 1 to 4M
+               elements, each call after 2 ms of matmuls as a run makes them: α and β of α + wire bytes / β by
+               least squares for each (GPU.collective_links: gloo's reduce-scatter costs more per wire byte than
+               its all-reduce), on every axis of this machine
 
     measured = launch(measure, 2)[0]; cpu = as_gpu(measured)   # or, in one call: calibrate(2)
     step_time(Job(..., dtype="fp32", gpu=cpu, gpus_per_node=2))
 
-Each figure is the median of repeats (the machine's other work makes the mean drift up).
+A kernel's or a collective's figure is the mean of its repeats (_seconds says why); a step's, the median of steps;
+calibrate() takes the median of each figure over five rounds of all this (one round's figures move by up to half).
 """
 
 from __future__ import annotations
@@ -53,21 +60,23 @@ from .runtime.launch import launch
 
 MATMUL_SIZES = (16, 64, 256, 1024)
 ATTENTION_HEAD_DIMS = (8, 16, 32, 64, 128)
-ALL_REDUCE_SIZES = tuple(4**i for i in range(12))     # 1 to 4M elements
+COLLECTIVE_SIZES = tuple(4**i for i in range(12))     # 1 to 4M elements
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")   # send: a pipeline's exchange
 DEGENERATE = dict(hidden=8, num_heads=2, num_kv_heads=1, intermediate=8, vocab_size=8, max_seq_len=4)
 DTYPE_BYTES = {torch.float32: 4, torch.float64: 8}
 
 
 def _seconds(work, repeats: int = 15, warmup: int = 3) -> float:
-    """The median time of ``work()`` over ``repeats`` runs, after ``warmup`` runs."""
+    """The mean time of ``work()`` over ``repeats`` runs, after ``warmup`` runs. The mean, not the median: a step
+    is the sum of many such calls, so it takes about the sum of their means, and here the means carry what a
+    median leaves out (a small gloo all-reduce's median is 0.6 ms, its mean 1.3-2 ms: one call in several waits
+    milliseconds for a thread to be woken on a virtual CPU)."""
     for _ in range(warmup):
         work()
-    times = []
+    start = time.perf_counter()
     for _ in range(repeats):
-        start = time.perf_counter()
         work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return (time.perf_counter() - start) / repeats
 
 
 def measure(rank: int, world_size: int, *, dtype=torch.float32) -> dict:
@@ -84,19 +93,54 @@ def measure(rank: int, world_size: int, *, dtype=torch.float32) -> dict:
     big = [torch.randn(4 * 2**20, dtype=dtype) for _ in range(3)]
     comm.barrier()
     stream_s = _seconds(lambda: torch.add(big[0], big[1], out=big[2]), repeats=7)
-    all_reduces = []
-    for numel in ALL_REDUCE_SIZES:
-        tensor = torch.ones(numel, dtype=dtype)
-        comm.barrier()
-        all_reduces.append((wire_bytes("all_reduce", tensor.nbytes, world_size),
-                            _seconds(lambda: comm.all_reduce(tensor), repeats=15)))
+    comm.barrier()
+    adam_s = _adam_seconds(big[0].numel(), dtype)
+    collectives = {op: _collective_seconds(comm, op, world_size, dtype) for op in COLLECTIVES}
     comm.barrier()
     attention = _attention(dtype)
     comm.barrier()
     steps = _degenerate_steps(dtype)
     return {"dtype_bytes": DTYPE_BYTES[dtype], "launch_s": launch_s, "matmuls": matmuls,
-            "stream_bytes_per_s": 3 * big[0].nbytes / stream_s, "attention": attention, "steps": steps,
-            "all_reduces": all_reduces, "world_size": world_size}
+            "stream_bytes_per_s": 3 * big[0].nbytes / stream_s, "adam_s_per_param": adam_s / big[0].numel(),
+            "attention": attention, "steps": steps,
+            "collectives": collectives, "world_size": world_size}
+
+
+def _collective_seconds(comm: Comm, op: str, world_size: int, dtype) -> list[tuple[float, float]]:
+    """(wire bytes, seconds) of ``op`` through course_lib.comm.Comm, as the runs call it, on 1 to 4M elements a
+    rank (an all-gather's output, a reduce-scatter's input); "send": each rank sends its neighbour as many and
+    receives as many from the other side at once, the pipeline's exchange."""
+    points = []
+    for numel in COLLECTIVE_SIZES:
+        part = torch.ones(max(numel // world_size, 1), dtype=dtype)
+        whole = torch.ones(part.numel() * world_size, dtype=dtype)
+        received = torch.empty_like(whole)
+        run = {"all_reduce": lambda: comm.all_reduce(whole),
+               "all_gather": lambda: comm.all_gather(whole, part),
+               "reduce_scatter": lambda: comm.reduce_scatter(part, whole),
+               "send": lambda: [work.wait() for work in comm.exchange(
+                   sends=[(whole, (comm.rank + 1) % world_size)], recvs=[(received, (comm.rank - 1) % world_size)])],
+               }[op]
+        wire = whole.nbytes if op == "send" else wire_bytes(op, whole.nbytes, world_size)
+        comm.barrier()
+        points.append((wire, _seconds_after_compute(run)))
+    return points
+
+
+def _seconds_after_compute(work, repeats: int = 30, warmup: int = 3, compute_s: float = 2e-3) -> float:
+    """The mean time of ``work()``, each call after ``compute_s`` of matmuls, as a run calls its collectives
+    between layers: here a collective issued after computing takes up to twice one issued back to back (gloo's
+    threads, idle meanwhile, are slow to wake on a virtual CPU)."""
+    a = torch.randn(128, 128)
+    times = []
+    for repeat in range(warmup + repeats):
+        start = time.perf_counter()
+        while time.perf_counter() - start < compute_s:
+            a @ a
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times[warmup:])
 
 
 def _gemms(m: int, k: int, n: int, dtype) -> list[tuple[int, int, int, float]]:
@@ -107,6 +151,18 @@ def _gemms(m: int, k: int, n: int, dtype) -> list[tuple[int, int, int, float]]:
     return [(m, n, k, _seconds(lambda: torch.mm(x, w.t()), repeats=7)),
             (m, k, n, _seconds(lambda: torch.mm(dy, w), repeats=7)),
             (k, n, m, _seconds(lambda: torch.mm(x.t(), dy), repeats=7))]
+
+
+def _adam_seconds(numel: int, dtype) -> float:
+    """torch.optim.Adam's step on one flat tensor of ``numel`` (as a ZeRO unit's), and zeroing its gradient."""
+    weight = torch.nn.Parameter(torch.randn(numel, dtype=dtype))
+    weight.grad = torch.randn(numel, dtype=dtype)
+    optimizer = torch.optim.Adam([weight], lr=1e-3)
+
+    def step():
+        optimizer.step()
+        weight.grad.zero_()
+    return _seconds(step, repeats=5, warmup=2)
 
 
 def _attention(dtype) -> list[dict]:
@@ -201,24 +257,35 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     peak, half = _fit_matmul(measured["matmuls"], launch_s)
     grid = _matmul_grid(measured["matmuls"], launch_s)
     attention_share, attention_half = _fit_attention(measured["attention"], peak, half, launch_s)
-    alpha, beta = _fit_link(measured["all_reduces"])
-    link = Link("gloo on this machine (measured)", beta, alpha,
-                "course_lib.calibration: Comm.all_reduce of 1 to 4M elements, α + wire bytes / β fitted")
+    links = {}
+    for op, points in measured["collectives"].items():
+        alpha, beta = _fit_link(points)
+        links[op] = Link(f"gloo's {op} on this machine (measured)", beta, alpha,
+                         f"course_lib.calibration: Comm's {op} of 1 to 4M elements, α + wire bytes / β fitted")
+    link = links["all_reduce"]
     source = f"course_lib.calibration on this machine, {measured['world_size']} ranks at once"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = GPU(name, peak, memory, measured["stream_bytes_per_s"], link, link, source, matmul_share=1.0,
               attention_share=attention_share, matmul_half_dim=half, attention_half_dim=attention_half,
-              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid, nccl_rings=False)
+              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid, nccl_rings=False,
+              optimizer_bytes_per_param=measured["adam_s_per_param"] * measured["stream_bytes_per_s"],
+              collective_links=tuple(links.items()))
     return _with_overheads(gpu, measured, e)
 
 
-def runner_steps(rank: int, world_size: int, *, dtype=torch.float32, steps: int = 16) -> dict[int, float]:
+def runner_steps(rank: int, world_size: int, *, dtype=torch.float32, threads: int = 1, rounds: int = 4,
+                 steps: int = 12) -> dict[int, float]:
     """A worker for ``launch`` on one rank: the course's own runner (runs.mesh.train_3d: parallelize, the pipeline
-    executor, the optimizer) on the width-8 model of 1 and of 2 layers, 4 tokens: each one's median step."""
-    return {layers: statistics.median(train_3d(rank, world_size, steps=steps, batch_size=1, seq_len=4,
-                                               num_microbatches=1, dtype=dtype, return_params=False,
-                                               num_layers=layers, **DEGENERATE)["step_seconds"][3:])
-            for layers in (1, 2)}
+    executor, the optimizer) on the width-8 model of 1 and of 3 layers, 4 tokens, on ``threads`` threads (what each
+    rank of the runs gets): each one's median step, over ``rounds`` runs of each, alternated so that both meet the
+    same machine."""
+    torch.set_num_threads(threads)
+    seconds = {1: [], 3: []}
+    for _ in range(rounds):
+        for layers, times in seconds.items():
+            times += train_3d(rank, world_size, steps=steps, batch_size=1, seq_len=4, num_microbatches=1,
+                              dtype=dtype, return_params=False, num_layers=layers, **DEGENERATE)["step_seconds"][2:]
+    return {layers: statistics.median(times) for layers, times in seconds.items()}
 
 
 def _with_overheads(gpu: GPU, measured: dict, e: int) -> GPU:
@@ -232,18 +299,35 @@ def _with_overheads(gpu: GPU, measured: dict, e: int) -> GPU:
     bare = measured["steps"]
     per_layer_update = max(bare[2]["update_s"] - bare[1]["update_s"], 0.0)     # Adam's loop over one more layer
     steps = measured.get("runner_steps") or {n: bare[n]["forward_backward_s"] + bare[n]["update_s"] for n in (1, 2)}
-    per_layer = max(steps[2] - steps[1] - layer_kernels - per_layer_update, 0.0)
-    per_step = steps[1] - layer_kernels - per_layer - per_layer_update - head_kernels - optimizer
+    few, many = sorted(steps)                                                    # layers
+    per_layer = max((steps[many] - steps[few]) / (many - few) - layer_kernels - per_layer_update, 0.0)
+    per_step = steps[few] - few * (layer_kernels + per_layer + per_layer_update) - head_kernels - optimizer
     return replace(gpu, layer_overhead_s=per_layer, layer_update_overhead_s=per_layer_update,
                    step_overhead_s=max(per_step, 0.0))
 
 
-def calibrate(world_size: int = 2, *, dtype=torch.float32) -> GPU:
-    """This machine measured by ``world_size`` ranks at once (rank 0's figures), and the course's runner's own
-    work on one rank, as a hardware.GPU."""
-    measured = launch(measure, world_size, dtype=dtype)[0]
-    measured["runner_steps"] = launch(runner_steps, 1, dtype=dtype)[0]
+def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5) -> GPU:
+    """This machine measured by ``world_size`` ranks at once (rank 0's figures; each the median of ``rounds``
+    rounds, a few seconds each: this machine's figures move by half from one round to the next), and the course's
+    runner's own work on one rank with the threads each of ``world_size`` ranks gets, as a hardware.GPU."""
+    measured = _median_of([launch(measure, world_size, dtype=dtype)[0] for _ in range(rounds)])
+    threads = max(1, len(os.sched_getaffinity(0)) // world_size)      # as runtime.workers gives each rank
+    measured["runner_steps"] = launch(runner_steps, 1, dtype=dtype, threads=threads)[0]
     return as_gpu(measured)
+
+
+def _median_of(rounds: list[dict]) -> dict:
+    """measure()'s figures, each the median of its value over ``rounds`` (a list of measure()'s results)."""
+    def median(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {key: median([value[key] for value in values]) for key in first}
+        if isinstance(first, (list, tuple)):
+            return type(first)(median(list(column)) for column in zip(*values))
+        if isinstance(first, float):
+            return statistics.median(values)
+        return first                                    # a count or a shape: the same in every round
+    return median(rounds)
 
 
 def describe(gpu: GPU) -> str:
@@ -251,7 +335,7 @@ def describe(gpu: GPU) -> str:
     return (f"matmul peak {gpu.peak_flops / 1e9:.1f} GFLOP/s (x_half {gpu.matmul_half_dim:.0f}; a 512² GEMM: "
             f"{matmul_rate(gpu, 512, 512, 512) / 1e9:.1f}), attention at {gpu.attention_share:.0%} of it (head-dim half "
             f"{gpu.attention_half_dim:.0f}), memory "
-            f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s, an op {gpu.launch_s * 1e6:.1f} µs, per layer "
+            f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s (Adam: {gpu.optimizer_bytes_per_param:.0f} bytes a parameter), an op {gpu.launch_s * 1e6:.1f} µs, per layer "
             f"{gpu.layer_overhead_s * 1e3:.2f} ms (and {gpu.layer_update_overhead_s * 1e3:.2f} ms a step), per step "
             f"{gpu.step_overhead_s * 1e3:.2f} ms, gloo α "
             f"{gpu.nvlink.alpha_s * 1e6:.0f} µs, β {gpu.nvlink.bytes_per_s / 1e9:.2f} GB/s")

@@ -93,7 +93,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .comm import wire_bytes
-from .hardware import GPU, find_gpu, link_for, ring_latency
+from .hardware import GPU, collective_link, find_gpu, link_for, ring_latency
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
@@ -279,6 +279,7 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     pp_link = link_for(job.mesh.size, job.gpus_per_node, hw)
     activation = tp_allreduce_bytes(b, seq_len, config.hidden, e)      # what one stage hands the next
     pp_bytes = activation // (t if job.sequence_parallel or scatter_gather else 1)
+    pp_link = collective_link(hw, pp_link, "send")
     pp_per_microbatch = 2 * v * (pp_link.alpha_s + pp_bytes / pp_link.bytes_per_s) if p > 1 else 0.0
     pp_per_microbatch *= 1 - pp_overlap
     stages = []
@@ -305,7 +306,8 @@ def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> fl
     link = link_for(t, job.gpus_per_node, hw)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
     nodes = -(-t // job.gpus_per_node)
-    one = sum(_latency(hw, link, op, t, nodes) + wire_bytes(op, traffic["payload_bytes_each"], t) / link.bytes_per_s
+    one = sum(_latency(hw, link, op, t, nodes)
+              + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
               for op in ops)
     # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
     weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
@@ -331,7 +333,8 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
             nodes = -(-group["size"] // per_node)
             for op, nbytes in group["ops"].items():
                 latency = _latency(hw, link, op, group["size"], nodes)
-                seconds = _calls(job, op, group) * _units(job, stage) * latency + nbytes / link.bytes_per_s
+                rate = collective_link(hw, link, op).bytes_per_s
+                seconds = _calls(job, op, group) * _units(job, stage) * latency + nbytes / rate
                 if op == "all_gather":
                     weight += seconds
                 else:
@@ -349,8 +352,8 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
 
 def _latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
     """One collective's latency: NCCL's ring model on a catalogue GPU (hardware.ring_latency), the measured α of
-    a calibrated machine's link (gloo's, per call)."""
-    return ring_latency(op, ranks, nodes) if hw.nccl_rings else link.alpha_s
+    a calibrated machine's link for that op (gloo's, per call)."""
+    return ring_latency(op, ranks, nodes) if hw.nccl_rings else collective_link(hw, link, op).alpha_s
 
 
 def _units(job: Job, stage: int) -> int:

@@ -104,6 +104,12 @@ class GPU:
     step_overhead_s: float = 0.0
     # A collective's latency: NCCL's ring model (ring_latency), or, False, the link's alpha_s (a measured machine's)
     nccl_rings: bool = True
+    # A measured machine's Adam step, as bytes per parameter at hbm_bytes_per_s (course_lib.calibration: torch's
+    # per-tensor Adam makes some 18 passes where a fused one makes 4); 0: the fused count (optimizer_operation)
+    optimizer_bytes_per_param: float = 0.0
+    # A measured machine's collectives, each with its own α and β: ((op, Link), ...) (course_lib.calibration:
+    # gloo's reduce-scatter costs more per wire byte than its all-reduce); (): the node's links serve every op
+    collective_links: tuple = ()
     # A measured machine's GEMM rates by shape (course_lib.calibration): ((m, n, k, FLOP/s), ...) on a grid, read
     # by matmul_rate in place of the curve. Empty for the catalogue's GPUs, whose curve cites its sources.
     matmul_grid: tuple = ()
@@ -249,3 +255,9 @@ def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | No
         return gpu.network
     rate = min(per_node * gpu.network.bytes_per_s, gpu.nvlink.bytes_per_s)
     return replace(gpu.network, name=f"{gpu.network.name}, {per_node} rails per node", bytes_per_s=rate)
+
+
+def collective_link(gpu: GPU, link: Link, op: str) -> Link:
+    """The link ``op`` ("all_reduce", "all_gather", "reduce_scatter", "send") runs on: a measured machine's own
+    fit for that op (GPU.collective_links), else ``link`` (link_for's)."""
+    return dict(gpu.collective_links).get(op, link)

@@ -233,8 +233,9 @@ def optimizer_operation(gpu: GPU, params: int, grad_bytes: int = 2) -> Operation
     """Mixed-precision Adam on ``params`` parameters, once a step: read and write the fp32 master weights and both
     moments (24 bytes), read the gradient, write the bf16 weights (2); gradient clipping reads the gradients once
     more, and zeroing them for the next step writes them: (26 + 3·grad_bytes) bytes a parameter, ~10 FLOPs.
-    Memory-bound; torch's foreach/fused Adam runs it in a handful of kernels."""
-    nbytes = params * (26 + 3 * grad_bytes)
+    Memory-bound; torch's foreach/fused Adam runs it in a handful of kernels. A measured machine
+    (GPU.optimizer_bytes_per_param) gives its own Adam's bytes a parameter instead."""
+    nbytes = params * (gpu.optimizer_bytes_per_param or 26 + 3 * grad_bytes)
     return timed("optimizer (Adam)", gpu, 10 * params, nbytes, rate=gpu.peak_flops, kernels=4)
 
 

@@ -3,6 +3,7 @@ model takes. (The measurements themselves, and the model against the live runs, 
 timing is a benchmark, not a test.)"""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -28,9 +29,10 @@ def made_up_measurements(peak=80e9, half=20.0, alpha=300e-6, beta=1e9, launch_s=
         flops = 3.5 * 4 * 8 * 64 * 64 * h_d * 0.5
         rate = 0.5 * peak * 64 / (64 + half) * h_d / (h_d + 32)
         attention.append({"heads": 8, "seq_len": 64, "head_dim": h_d, "seconds": 3 * launch_s + flops / rate})
-    return {"dtype_bytes": 4, "launch_s": launch_s, "matmuls": matmuls, "stream_bytes_per_s": 20e9,
+    return {"dtype_bytes": 4, "launch_s": launch_s, "matmuls": matmuls, "stream_bytes_per_s": 20e9, "adam_s_per_param": 4e-9,
             "attention": attention, "world_size": 2,
-            "all_reduces": [(wire, alpha + wire / beta) for wire in (4.0, 4e3, 4e5, 4e7)],
+            "collectives": {op: [(wire, slow * alpha + wire / (beta / slow)) for wire in (4.0, 4e3, 4e5, 4e7)]
+                            for op, slow in (("all_reduce", 1), ("all_gather", 1), ("reduce_scatter", 2), ("send", 1))},
             "steps": {1: {"forward_backward_s": 2e-3, "update_s": 0.5e-3},
                       2: {"forward_backward_s": 3e-3, "update_s": 0.8e-3}},
             "runner_steps": {1: 5e-3, 2: 7e-3}}
@@ -43,6 +45,10 @@ def test_the_fits_recover_the_constants_that_made_the_data():
     assert gpu.nvlink.alpha_s == pytest.approx(300e-6, rel=1e-6) and gpu.nvlink.bytes_per_s == pytest.approx(1e9)
     assert gpu.launch_adds and gpu.hbm_share == 1 and gpu.matmul_share == 1
     assert gpu.layer_update_overhead_s == pytest.approx(0.3e-3)          # Adam's loop over one more layer
+    assert gpu.optimizer_bytes_per_param == pytest.approx(80)             # 4 ns a parameter at 20 GB/s
+    from course_lib.kernel_times import optimizer_operation
+    assert optimizer_operation(gpu, 10**6, 4).bytes == pytest.approx(80e6)   # its own Adam, not the fused 38 bytes
+    assert optimizer_operation(GPUS["A100 80GB"], 10**6, 4).bytes == 38e6
     assert 0 < gpu.layer_overhead_s < 2e-3 and gpu.step_overhead_s > 0    # the runner's, less the kernels
 
 
@@ -78,3 +84,18 @@ def test_a_cpu_adds_an_ops_launch_to_its_work_where_a_gpu_takes_the_longer():
     a100 = GPUS["A100 80GB"]
     assert matmul("x", a100, 8, 8, 8, 2, passes=1).seconds == pytest.approx(a100.launch_s)    # launch-bound: max
     assert not math.isclose(a100.attention_half_dim, gpu.attention_half_dim)
+
+
+def test_each_collective_is_costed_on_its_own_measured_link():
+    gpu = calibration.as_gpu(made_up_measurements())       # the reduce-scatter made twice as slow as the others
+    links = dict(gpu.collective_links)
+    assert links["reduce_scatter"].alpha_s == pytest.approx(600e-6) and links["reduce_scatter"].bytes_per_s == (
+        pytest.approx(0.5e9))
+    assert links["all_gather"].alpha_s == pytest.approx(300e-6) and set(links) == set(calibration.COLLECTIVES)
+
+    def dp_seconds(machine):
+        job = Job(preset("tiny"), Mesh(dp=2), seq_len=64, micro_batch_size=4, zero_stage=2, dtype="fp32",
+                  gpu=machine, gpus_per_node=2)
+        return step_time(job).dp_comm_s
+    # ZeRO-2 reduce-scatters the gradients and all-gathers the weights, equal bytes and calls: only the first doubles
+    assert dp_seconds(gpu) == pytest.approx(1.5 * dp_seconds(replace(gpu, collective_links=())), rel=1e-9)
