@@ -49,6 +49,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import Comm, wire_bytes
@@ -128,14 +129,20 @@ def _collective_seconds(comm: Comm, op: str, world_size: int, dtype) -> list[tup
 
 
 def _seconds_after_compute(work, repeats: int = 30, warmup: int = 3, compute_s: float = 2e-3) -> float:
-    """The mean time of ``work()``, each call after ``compute_s`` of matmuls, as a run calls its collectives
+    """The mean time of ``work()``, each call after about ``compute_s`` of matmuls, as a run calls its collectives
     between layers: here a collective issued after computing takes up to twice one issued back to back (gloo's
-    threads, idle meanwhile, are slow to wake on a virtual CPU)."""
+    threads, idle meanwhile, are slow to wake on a virtual CPU). The same matmuls on every rank, not the same
+    time: a rank that computed slower arrives later, and the others wait for it inside ``work()``, as in a run."""
     a = torch.randn(128, 128)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    matmuls = max(1, round(compute_s / ((time.perf_counter() - start) / 10)))
+    matmuls = torch.tensor([matmuls])
+    dist.all_reduce(matmuls, op=dist.ReduceOp.MAX)                  # the same count on every rank
     times = []
-    for repeat in range(warmup + repeats):
-        start = time.perf_counter()
-        while time.perf_counter() - start < compute_s:
+    for _ in range(warmup + repeats):
+        for _ in range(int(matmuls)):
             a @ a
         start = time.perf_counter()
         work()
