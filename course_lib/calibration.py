@@ -313,11 +313,17 @@ def _with_overheads(gpu: GPU, measured: dict, e: int) -> GPU:
                    step_overhead_s=max(per_step, 0.0))
 
 
-def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5) -> GPU:
+def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, between=None) -> GPU:
     """This machine measured by ``world_size`` ranks at once (rank 0's figures; each the median of ``rounds``
     rounds, a few seconds each: this machine's figures move by half from one round to the next), and the course's
-    runner's own work on one rank with the threads each of ``world_size`` ranks gets, as a hardware.GPU."""
-    measured = _median_of([launch(measure, world_size, dtype=dtype)[0] for _ in range(rounds)])
+    runner's own work on one rank with the threads each of ``world_size`` ranks gets, as a hardware.GPU.
+    ``between()``, if given, runs after each round: a benchmark's own runs, so that both meet the same machine."""
+    measurements = []
+    for _ in range(rounds):
+        measurements.append(launch(measure, world_size, dtype=dtype)[0])
+        if between is not None:
+            between()
+    measured = _median_of(measurements)
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)      # as runtime.workers gives each rank
     measured["runner_steps"] = launch(runner_steps, 1, dtype=dtype, threads=threads)[0]
     return as_gpu(measured)
