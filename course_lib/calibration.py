@@ -21,7 +21,7 @@ a degenerate model, never on the runs the model then predicts:
                tensor, some 18 passes over memory, where a GPU's fused one makes 4)
     launch     c = a + b on one element: the least an op takes. On a CPU an op's dispatch runs before its work,
                so the two add (GPU.launch_adds), where a GPU queues kernels ahead and takes the longer
-    per layer  a training step of the course's runner (runs.mesh.train_3d, one rank, a run's threads) on the
+    per layer  a training step of the course's runner (runs.mesh.train_3d, each rank alone, a run's threads) on the
                width-8 model of 3 layers less one of 1 layer, halved, 4 tokens, less what kernel_times says the
                layer's kernels take and what one more layer adds to Adam's step (its loop over the layer's
                tensors, measured apart on the bare model): the framework's own work per layer and micro-batch,
@@ -53,8 +53,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import Comm, wire_bytes
+from .cost import step_time
 from .hardware import GPU, Link, matmul_rate
+from .job import Job
 from .kernel_times import head_operations, layer_operations, optimizer_operation
+from .mesh import Mesh
 from .model import build, loss_fn, preset
 from .runs.mesh import train_3d
 from .runtime.launch import launch
@@ -280,18 +283,23 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     return _with_overheads(gpu, measured, e)
 
 
-def runner_steps(rank: int, world_size: int, *, dtype=torch.float32, threads: int = 1, rounds: int = 4,
+def runner_steps(rank: int, world_size: int, *, dtype=torch.float32, threads: int = 1, rounds: int = 2,
                  steps: int = 12) -> dict[int, float]:
-    """A worker for ``launch`` on one rank: the course's own runner (runs.mesh.train_3d: parallelize, the pipeline
-    executor, the optimizer) on the width-8 model of 1 and of 3 layers, 4 tokens, on ``threads`` threads (what each
-    rank of the runs gets): each one's median step, over ``rounds`` runs of each, alternated so that both meet the
-    same machine."""
+    """A worker for ``launch``: the course's own runner (runs.mesh.train_3d: parallelize, the pipeline executor, the
+    optimizer) on the width-8 model of 1 and of 3 layers, 4 tokens, on ``threads`` threads (what each rank of the
+    runs gets): each one's median step, over ``rounds`` runs of each, alternated so that both meet the same
+    machine. On every rank at once, each alone: a rank leaves the world's group for a one-rank group of its own,
+    so that its work is measured beside the other ranks' work, as in a run (here that costs 10-20% more than
+    alone on the machine), with no collective between them."""
+    if world_size > 1:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(threads)
     seconds = {1: [], 3: []}
     for _ in range(rounds):
         for layers, times in seconds.items():
-            times += train_3d(rank, world_size, steps=steps, batch_size=1, seq_len=4, num_microbatches=1,
-                              dtype=dtype, return_params=False, num_layers=layers, **DEGENERATE)["step_seconds"][2:]
+            times += train_3d(0, 1, steps=steps, batch_size=1, seq_len=4, num_microbatches=1, dtype=dtype,
+                              return_params=False, num_layers=layers, **DEGENERATE)["step_seconds"][2:]
     return {layers: statistics.median(times) for layers, times in seconds.items()}
 
 
@@ -314,19 +322,54 @@ def _with_overheads(gpu: GPU, measured: dict, e: int) -> GPU:
 
 
 def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, between=None) -> GPU:
-    """This machine measured by ``world_size`` ranks at once (rank 0's figures; each the median of ``rounds``
-    rounds, a few seconds each: this machine's figures move by half from one round to the next), and the course's
-    runner's own work on one rank with the threads each of ``world_size`` ranks gets, as a hardware.GPU.
+    """This machine measured by ``world_size`` ranks at once (rank 0's figures, and the course's runner's own
+    work, the ranks' mean; each the median of ``rounds`` rounds, a few seconds each: this machine's figures move
+    by half from one round to the next), as a hardware.GPU.
     ``between()``, if given, runs after each round: a benchmark's own runs, so that both meet the same machine."""
+    threads = max(1, len(os.sched_getaffinity(0)) // world_size)      # as runtime.workers gives each rank
     measurements = []
     for _ in range(rounds):
-        measurements.append(launch(measure, world_size, dtype=dtype)[0])
+        measured = launch(measure, world_size, dtype=dtype)[0]
+        runner = launch(runner_steps, world_size, dtype=dtype, threads=threads)
+        measured["runner_steps"] = {layers: statistics.mean(rank[layers] for rank in runner) for layers in runner[0]}
+        measurements.append(measured)
         if between is not None:
             between()
     measured = _median_of(measurements)
-    threads = max(1, len(os.sched_getaffinity(0)) // world_size)      # as runtime.workers gives each rank
-    measured["runner_steps"] = launch(runner_steps, 1, dtype=dtype, threads=threads)[0]
     return as_gpu(measured)
+
+
+LAYOUT_KEYWORDS = ("dp", "tp", "pp", "zero_stage", "num_microbatches")   # train_3d's; the rest change the model
+
+
+def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: int = 8, seq_len: int = 64,
+                    steps: int = 8, rounds: int = 3) -> tuple[GPU, list[dict]]:
+    """cost.step_time on this machine against its own live runs, which it never saw. ``runs``: a name -> train_3d's
+    keywords (a layout: LAYOUT_KEYWORDS; anything else changes the tiny model, e.g. hidden=640), fp32, gloo, no
+    overlap (the course's wrappers wait for each collective). Each run is measured after each calibration round
+    (the median of its steps after the first, on its slowest rank), so that a slow spell of a shared machine meets
+    both; its figure is the median over rounds. Returns the calibrated machine and, per run, its "run",
+    "predicted_s", "measured_s" and "ratio" (predicted / measured)."""
+    measured = {name: [] for name in runs}
+
+    def run_each():
+        for name, keywords in runs.items():
+            results = launch(train_3d, world_size, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                             dtype=torch.float32, return_params=False, timeout=600,
+                             **{"num_microbatches": 1, **keywords})
+            measured[name].append(max(statistics.median(result["step_seconds"][1:]) for result in results))
+    machine = calibrate(world_size, rounds=rounds, between=run_each)
+    rows = []
+    for name, keywords in runs.items():
+        layout = {key: value for key, value in keywords.items() if key in LAYOUT_KEYWORDS}
+        mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+        m = layout.get("num_microbatches", 1)
+        job = Job(preset("tiny", **{k: v for k, v in keywords.items() if k not in LAYOUT_KEYWORDS}), mesh,
+                  seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * m), num_microbatches=m,
+                  zero_stage=layout.get("zero_stage"), dtype="fp32", gpu=machine, gpus_per_node=world_size)
+        predicted, real = step_time(job).total_s, statistics.median(measured[name])
+        rows.append({"run": name, "predicted_s": predicted, "measured_s": real, "ratio": predicted / real})
+    return machine, rows
 
 
 def _median_of(rounds: list[dict]) -> dict:
