@@ -36,7 +36,8 @@ def main():
     print(f"this machine, measured ({WORLD_SIZE} ranks at once): {describe(machine)}\n")
     print(f"{'run':34}{'predicted':>12}{'measured':>12}{'ratio':>8}")
     for row in rows:
-        print(f"{row['run']:34}{row['predicted_s'] * 1e3:10.1f} ms{row['measured_s'] * 1e3:10.1f} ms{row['ratio']:8.2f}")
+        predicted, measured = row["predicted_s"] * 1e3, row["measured_s"] * 1e3
+        print(f"{row['run']:34}{predicted:10.1f} ms{measured:10.1f} ms{row['ratio']:8.2f}")
     worst = max((row["ratio"] for row in rows), key=lambda ratio: abs(ratio - 1))
     print(f"\nlargest miss: predicted / measured = {worst:.2f} ({abs(worst - 1):.0%}; goal within 20%), "
           f"in {time.perf_counter() - start:.0f} s")

@@ -389,9 +389,9 @@ def _median_of(rounds: list[dict]) -> dict:
 def describe(gpu: GPU) -> str:
     """The measured figures in one paragraph, for a benchmark's or a notebook's output."""
     return (f"matmul peak {gpu.peak_flops / 1e9:.1f} GFLOP/s (x_half {gpu.matmul_half_dim:.0f}; a 512² GEMM: "
-            f"{matmul_rate(gpu, 512, 512, 512) / 1e9:.1f}), attention at {gpu.attention_share:.0%} of it (head-dim half "
-            f"{gpu.attention_half_dim:.0f}), memory "
-            f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s (Adam: {gpu.optimizer_bytes_per_param:.0f} bytes a parameter), an op {gpu.launch_s * 1e6:.1f} µs, per layer "
+            f"{matmul_rate(gpu, 512, 512, 512) / 1e9:.1f}), attention at {gpu.attention_share:.0%} of it (head-dim "
+            f"half {gpu.attention_half_dim:.0f}), memory {gpu.hbm_bytes_per_s / 1e9:.1f} GB/s (Adam: "
+            f"{gpu.optimizer_bytes_per_param:.0f} bytes a parameter), an op {gpu.launch_s * 1e6:.1f} µs, per layer "
             f"{gpu.layer_overhead_s * 1e3:.2f} ms (and {gpu.layer_update_overhead_s * 1e3:.2f} ms a step), per step "
-            f"{gpu.step_overhead_s * 1e3:.2f} ms, gloo α "
+            f"{gpu.step_overhead_s * 1e3:.2f} ms, gloo all-reduce α "
             f"{gpu.nvlink.alpha_s * 1e6:.0f} µs, β {gpu.nvlink.bytes_per_s / 1e9:.2f} GB/s")

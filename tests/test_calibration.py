@@ -29,7 +29,8 @@ def made_up_measurements(peak=80e9, half=20.0, alpha=300e-6, beta=1e9, launch_s=
         flops = 3.5 * 4 * 8 * 64 * 64 * h_d * 0.5
         rate = 0.5 * peak * 64 / (64 + half) * h_d / (h_d + 32)
         attention.append({"heads": 8, "seq_len": 64, "head_dim": h_d, "seconds": 3 * launch_s + flops / rate})
-    return {"dtype_bytes": 4, "launch_s": launch_s, "matmuls": matmuls, "stream_bytes_per_s": 20e9, "adam_s_per_param": 4e-9,
+    return {"dtype_bytes": 4, "launch_s": launch_s, "matmuls": matmuls, "stream_bytes_per_s": 20e9,
+            "adam_s_per_param": 4e-9,
             "attention": attention, "world_size": 2,
             "collectives": {op: [(wire, slow * alpha + wire / (beta / slow)) for wire in (4.0, 4e3, 4e5, 4e7)]
                             for op, slow in (("all_reduce", 1), ("all_gather", 1), ("reduce_scatter", 2), ("send", 1))},
