@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,9 +297,11 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
     """step_time on each published run (default: the sixteen above): ours beside theirs, in points of MFU (or HFU
     where that is what the source reports), with the step's split. "ceiling": the figure the run would reach on
     the model's kernels with nothing else in the step (no communication, bubble or optimizer); "above_ceiling": the
-    source reports more than that, which no assumption about overlap could reach: only faster kernels."""
+    source reports more than that, which no assumption about overlap could reach: only faster kernels. "why": for
+    a row more than 5 points off, what the table itself shows about it (out_of_line), or "" where it shows nothing."""
+    runs = PUBLISHED_RUNS if runs is None else runs
     rows = []
-    for run in PUBLISHED_RUNS if runs is None else runs:
+    for run in runs:
         step = step_time(run.job, **run.assumptions)
         ours = getattr(step, run.metric)
         ceiling = ours * step.total_s / step.compute_s
@@ -306,7 +309,40 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
                      "points": 100 * (ours - run.reported), "ratio": ours / run.reported, "step": step,
                      "ceiling": ceiling, "above_ceiling": run.reported > ceiling,
                      "source": run.source, "assumed": run.assumed})
+    for row, run in zip(rows, runs):
+        row["why"] = "" if abs(row["points"]) <= 5 else (
+            f"above its kernel ceiling ({100 * row['ceiling']:.1f}%): only faster kernels could reach it"
+            if row["above_ceiling"] else out_of_line(run, row, runs, rows))
     return rows
+
+
+def out_of_line(run: PublishedRun, row: dict, runs: list[PublishedRun], rows: list[dict]) -> str:
+    """Where a run's own source moves against the model: its siblings (the same model on the same GPU type, at
+    another GPU count or another sequence length, never both) report a median figure the run is N points from,
+    while the model puts it M points from theirs; more than 5 points apart, the source changes something between
+    them that the model does not (or the row is the table's own outlier). "" otherwise, or without siblings."""
+    def model(config):                             # the model's shape; its max_seq_len follows the row's sequence
+        return dataclasses.replace(config, max_seq_len=1)
+
+    def differs(other):
+        return (model(other.config) == model(run.config) and other.gpu == run.gpu and other is not run
+                and (other.mesh.size == run.mesh.size) != (other.layout["seq_len"] == run.layout["seq_len"]))
+    siblings = [(other, sibling) for other, sibling in zip(runs, rows) if differs(other)]
+    if not siblings:
+        return ""
+    theirs = 100 * (row["theirs"] - statistics.median(sibling["theirs"] for _, sibling in siblings))
+    ours = 100 * (row["ours"] - statistics.median(sibling["ours"] for _, sibling in siblings))
+    if abs(theirs - ours) <= 5:
+        return ""
+    def span(values, unit):
+        low, high = min(values), max(values)
+        return f"{low:,}{unit}" if low == high else f"{low:,} to {high:,}{unit}"
+    gpus = {other.mesh.size for other, _ in siblings if other.mesh.size != run.mesh.size}
+    seq_lens = {other.layout["seq_len"] for other, _ in siblings if other.layout["seq_len"] != run.layout["seq_len"]}
+    varied = ", ".join(([span(gpus, " GPUs")] if gpus else []) + ([span(seq_lens, " tokens")] if seq_lens else []))
+    count = "its sibling" if len(siblings) == 1 else f"the median of its {len(siblings)} siblings"
+    return (f"out of line with its source: {theirs:+.1f} points from {count} ({varied}), "
+            f"where the model moves {ours:+.1f}")
 
 
 @functools.cache

@@ -153,6 +153,24 @@ def test_runs_above_the_kernels_ceiling_are_marked():
     assert len(low) >= 10 and all(row["above_ceiling"] for row in low)
 
 
+def test_every_row_off_by_more_than_5_points_says_why_or_is_a_miss():
+    """compare_published's "why": above the kernels' ceiling, or out of line with the run's own source (its
+    siblings, the same model and GPUs at other GPU counts or sequence lengths, report a figure the run is far from
+    while the model barely moves), or "" for the model's own misses. Rows within 5 points carry none."""
+    rows = {row["name"]: row for row in compare_published(llm_foundry_runs() + torchtitan_runs())}
+    assert all(bool(row["why"]) <= (abs(row["points"]) > 5) for row in rows.values())
+    outlier = rows["MPT-1b, 32 A100 40GB, s 2,048, b 10"]           # 45.4% against 54.4-56.2% at 8 to 128 GPUs
+    assert outlier["why"].startswith("out of line with its source: -10.2 points from the median of its 4 siblings "
+                                     "(8 to 128 GPUs)")
+    short = rows["MPT-760m, 8 A100 80GB, s 512, b 96"]               # 9-12 points below the same model at 2k-32k
+    assert "(1,024 to 65,536 tokens)" in short["why"]
+    # MPT-125M's table falls with the GPU count as the model does: its rows stay the model's own misses
+    assert rows["MPT-125m, 32 A100 40GB, s 2,048, b 26"]["points"] > 5
+    assert rows["MPT-125m, 32 A100 40GB, s 2,048, b 26"]["why"] == ""
+    off = [row for row in rows.values() if abs(row["points"]) > 5]
+    assert sum(not row["why"] for row in off) <= 4                   # 4 when written
+
+
 def test_every_published_run_together():
     """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 203
     within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.9 (0.910 when
