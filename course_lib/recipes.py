@@ -38,6 +38,7 @@ from .job import Job
 from .ledger import CONVENTIONS, RECOMPUTE
 from .mesh import Mesh
 from .per_rank import activation_bytes_per_rank, data_parallel_state_bytes, layer_params, transient_bytes_per_rank
+from .published import FSDP_OVERLAP
 from .runtime.arguments import check_whole
 from .tensor_parallel import check_tp_divisible
 from .units import GiB, MiB
@@ -259,9 +260,11 @@ def resharding_choices(mesh: Mesh, zero_stage: int) -> list[dict[str, bool]]:
 
 def cost_layout(recipe: str, config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
                 num_chunks: int = 1, gpu="A100 80GB", gpus_per_node: int = 8, convention: str = "mixed",
-                reserve_share: float = RESERVE_SHARE, dp_overlap: float = 0.5) -> Layout:
+                reserve_share: float = RESERVE_SHARE, dp_overlap: float | None = None) -> Layout:
     """One layout, its busiest GPU's memory (memory_per_gpu) and its step time (cost.step_time, ``dp_overlap`` of
-    the DP traffic hidden), with the first of resharding_choices that fits (the last if none does)."""
+    the DP traffic hidden; None: framework_overlap's), with the first of resharding_choices that fits (the last if
+    none does)."""
+    dp_overlap = framework_overlap(zero_stage) if dp_overlap is None else dp_overlap
     for options in resharding_choices(mesh, zero_stage):
         memory = memory_per_gpu(config, mesh, zero_stage, workload, gpu_bytes=gpu_bytes, convention=convention,
                                 reserve_share=reserve_share, num_chunks=num_chunks, **options)
@@ -274,6 +277,16 @@ def cost_layout(recipe: str, config, mesh: Mesh, zero_stage: int, workload: Work
     return layout
 
 
+DDP_OVERLAP = 0.5    # gradient buckets reduced during backward: half hidden (notebook 02 measures it live)
+
+
+def framework_overlap(zero_stage: int) -> float:
+    """The share of the DP traffic hidden behind compute as the frameworks schedule it: ZeRO-3's (FSDP's) gathers
+    and reduce-scatters counted exposed, as the published FSDP runs fit (published.FSDP_OVERLAP); DDP's and
+    ZeRO-1/2's gradient buckets half hidden behind backward (DDP_OVERLAP, an assumption)."""
+    return FSDP_OVERLAP if zero_stage == 3 else DDP_OVERLAP
+
+
 def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
     """How many chunks a pipeline may take per GPU: 1 (1F1B), and 2 (interleaved) when every one of the p·2
     virtual stages gets a layer and m is a multiple of p (Megatron-LM's rule, schedules.interleaved_actions)."""
@@ -284,11 +297,11 @@ def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
 
 def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload, gpu="A100 80GB",
                     gpus_per_node: int = 8, convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
-                    dp_overlap: float = 0.5) -> list[Layout]:
+                    dp_overlap: float | None = None) -> list[Layout]:
     """Question 5: the best layout of each recipe, fastest first: the fastest that fits, or, where none fits,
     the one that needs the least memory. Step time is cost.step_time on ``gpu``'s speed and links, with
-    ``dp_overlap`` of the data-parallel traffic hidden behind compute (DDP's buckets and FSDP's prefetch both
-    overlap it; how much depends on the network: an assumption, stated)."""
+    ``dp_overlap`` of the data-parallel traffic hidden behind compute (None: as each layout's framework schedules
+    it, framework_overlap; how much depends on the network too: an assumption, stated)."""
     node = min(gpus_per_node, num_gpus)
     best: dict[str, Layout] = {}
     for recipe, mesh, stages in candidate_layouts(config, num_gpus, node):
