@@ -276,10 +276,9 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     layer_flops /= config.num_layers
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
     tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
-    pp_link = link_for(job.mesh.size, job.gpus_per_node, hw)
+    pp_link = collective_link(hw, link_for(job.mesh.size, job.gpus_per_node, hw), "send")
     activation = tp_allreduce_bytes(b, seq_len, config.hidden, e)      # what one stage hands the next
     pp_bytes = activation // (t if job.sequence_parallel or scatter_gather else 1)
-    pp_link = collective_link(hw, pp_link, "send")
     pp_per_microbatch = 2 * v * (pp_link.alpha_s + pp_bytes / pp_link.bytes_per_s) if p > 1 else 0.0
     pp_per_microbatch *= 1 - pp_overlap
     stages = []

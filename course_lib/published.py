@@ -334,6 +334,7 @@ def out_of_line(run: PublishedRun, row: dict, runs: list[PublishedRun], rows: li
     ours = 100 * (row["ours"] - statistics.median(sibling["ours"] for _, sibling in siblings))
     if abs(theirs - ours) <= 5:
         return ""
+
     def span(values, unit):
         low, high = min(values), max(values)
         return f"{low:,}{unit}" if low == high else f"{low:,} to {high:,}{unit}"
