@@ -11,7 +11,7 @@ saw: DDP, ZeRO-3, TP and 1F1B PP on 2 ranks, for the tiny model and one 10× wid
 Each run: the median of its steps after the first (warm-up), in each of three passes over all runs, each pass after
 a round of the calibration (so that a slow spell of this shared machine meets both), and the median of the three.
 Prints predicted, measured and their ratio per run, then the largest miss (goal: within 20% on an idle machine; a
-busy one slows the measured runs, not the model). About 80 seconds.
+busy one slows the measured runs, not the model). About 90 seconds.
 """
 
 import time
