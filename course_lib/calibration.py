@@ -61,6 +61,7 @@ from .mesh import Mesh
 from .model import build, loss_fn, preset
 from .runs.mesh import train_3d
 from .runtime.launch import launch
+from .runtime.workers import threads_per_rank
 
 MATMUL_SIZES = (16, 64, 256, 1024)
 ATTENTION_HEAD_DIMS = (8, 16, 32, 64, 128)
@@ -127,11 +128,11 @@ def _collective_seconds(comm: Comm, op: str, world_size: int, dtype) -> list[tup
                }[op]
         wire = whole.nbytes if op == "send" else wire_bytes(op, whole.nbytes, world_size)
         comm.barrier()
-        points.append((wire, _seconds_after_compute(run)))
+        points.append((wire, _seconds_after_compute(run, comm)))
     return points
 
 
-def _seconds_after_compute(work, repeats: int = 30, warmup: int = 3, compute_s: float = 2e-3) -> float:
+def _seconds_after_compute(work, comm: Comm, repeats: int = 30, warmup: int = 3, compute_s: float = 2e-3) -> float:
     """The mean time of ``work()``, each call after about ``compute_s`` of matmuls, as a run calls its collectives
     between layers: here a collective issued after computing takes up to twice one issued back to back (gloo's
     threads, idle meanwhile, are slow to wake on a virtual CPU). The same matmuls on every rank, not the same
@@ -142,7 +143,7 @@ def _seconds_after_compute(work, repeats: int = 30, warmup: int = 3, compute_s: 
         a @ a
     matmuls = max(1, round(compute_s / ((time.perf_counter() - start) / 10)))
     matmuls = torch.tensor([matmuls])
-    dist.all_reduce(matmuls, op=dist.ReduceOp.MAX)                  # the same count on every rank
+    comm.all_reduce(matmuls, op=dist.ReduceOp.MAX)                  # the same count on every rank
     times = []
     for _ in range(warmup + repeats):
         for _ in range(int(matmuls)):
@@ -326,7 +327,7 @@ def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, betw
     work, the ranks' mean; each the median of ``rounds`` rounds, a few seconds each: this machine's figures move
     by half from one round to the next), as a hardware.GPU.
     ``between()``, if given, runs after each round: a benchmark's own runs, so that both meet the same machine."""
-    threads = max(1, len(os.sched_getaffinity(0)) // world_size)      # as runtime.workers gives each rank
+    threads = threads_per_rank(world_size)                             # as each rank of the runs gets
     measurements = []
     for _ in range(rounds):
         measured = launch(measure, world_size, dtype=dtype)[0]

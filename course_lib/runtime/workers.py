@@ -74,6 +74,12 @@ def check_world_fits(world_size: int, cpus: int | None = None, memory_bytes: int
             "across machines; any one rank of it runs here on a fake group (course_lib.virtual).")
 
 
+def threads_per_rank(world_size: int) -> int:
+    """The torch threads each of ``world_size`` local ranks gets: this machine's usable cores shared out, at least
+    one (8 ranks on 2 cores each with 2 threads crawl 14-27x slower)."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
 def choose_backend(backend: str | None, ranks_per_node: int) -> str:
     """gloo on CPU, NCCL when every local rank can have a GPU of its own; an explicit choice wins."""
     gpus = torch.cuda.device_count()   # 0 without CUDA
@@ -119,8 +125,7 @@ class WorkerGroup:
         self._store = loopback_store()
         self.store_port = self._store.port
         self.store_key = secrets.token_hex(16)   # every key of this world starts with it (init_group)
-        cpus = len(os.sched_getaffinity(0))
-        self._threads = max(1, cpus // world_size)  # 8 ranks on 2 cores each with 2 threads crawl 14-27x slower
+        self._threads = threads_per_rank(world_size)
         self._exit_after_error = exit_after_error
         self._ctx = _context()
         # Only this process holds the write end: when it dies, every rank reads EOF and ends (rank_process).
