@@ -60,6 +60,7 @@ from .kernel_times import head_operations, layer_operations, optimizer_operation
 from .mesh import Mesh
 from .model import build, loss_fn, preset
 from .runs.mesh import train_3d
+from .runtime.arguments import check_whole
 from .runtime.launch import launch
 from .runtime.workers import threads_per_rank
 
@@ -327,6 +328,7 @@ def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, betw
     work, the ranks' mean; each the median of ``rounds`` rounds, a few seconds each: this machine's figures move
     by half from one round to the next), as a hardware.GPU.
     ``between()``, if given, runs after each round: a benchmark's own runs, so that both meet the same machine."""
+    check_whole("rounds", rounds)                                     # before anything starts
     threads = threads_per_rank(world_size)                             # as each rank of the runs gets
     measurements = []
     for _ in range(rounds):

@@ -100,3 +100,8 @@ def test_each_collective_is_costed_on_its_own_measured_link():
         return step_time(job).dp_comm_s
     # ZeRO-2 reduce-scatters the gradients and all-gathers the weights, equal bytes and calls: only the first doubles
     assert dp_seconds(gpu) == pytest.approx(1.5 * dp_seconds(replace(gpu, collective_links=())), rel=1e-9)
+
+
+def test_no_round_of_calibration_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"rounds=0 must be a whole number >= 1"):
+        calibration.calibrate(2, rounds=0)
