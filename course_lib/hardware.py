@@ -104,6 +104,9 @@ class GPU:
     step_overhead_s: float = 0.0
     # A collective's latency: NCCL's ring model (ring_latency), or, False, the link's alpha_s (a measured machine's)
     nccl_rings: bool = True
+    # A measured machine that runs the course's own model op by op (eager PyTorch): its memory-bound ops as model.py
+    # dispatches them (course_lib.eager_traffic), where the catalogue's GPUs run the frameworks' fused kernels
+    eager_elementwise: bool = False
     # A measured machine's Adam step, as bytes per parameter at hbm_bytes_per_s (course_lib.calibration: torch's
     # per-tensor Adam makes some 18 passes where a fused one makes 4); 0: the fused count (optimizer_operation)
     optimizer_bytes_per_param: float = 0.0

@@ -22,6 +22,11 @@ sequence parallelism, 1 without: each TP rank repeats them on the whole activati
     loss                  3·V·e/t_V                   softmax cross-entropy over the logits, t_V = t if the head
                                                       is vocab-parallel; the head's GEMM itself is a matmul row
 
+A machine that runs the course's own model op by op (GPU.eager_elementwise: this CPU, calibrated) has no fused
+kernels: there these rows, and the final norm and the loss, are the ops model.py dispatches, each reading its
+inputs and writing its output, as course_lib.eager_traffic counts them (the tiny model's layer, 8 × 64 tokens in
+fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above move 5.8 MB).
+
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
 * "flash" (FlashAttention-2, torch's SDPA flash backend), "flash3" (FlashAttention-3, H100/H200 only) and
@@ -46,6 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .eager_traffic import head_traffic, layer_traffic
 from .hardware import GPU, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "triton", "unfused")
@@ -168,6 +174,15 @@ def elementwise(name: str, gpu: GPU, forward_bytes: float, backward_bytes: float
     return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound, len(parts))
 
 
+def eager(name: str, gpu: GPU, counted: dict, e: int, forward_again: bool) -> Operation:
+    """Memory-bound ops as eager PyTorch runs them, counted by eager_traffic: forward, backward (and the forward
+    again when recomputed), each pass its bytes at HBM bandwidth and a launch per op (timed's rule)."""
+    passes = [counted["forward"], counted["backward"]] + ([counted["forward"]] if forward_again else [])
+    parts = [timed(name, gpu, p.bytes / e, p.bytes, rate=gpu.peak_flops, kernels=p.kernels) for p in passes]
+    return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), sum(p.seconds for p in parts),
+                     "memory", sum(p.kernels for p in parts))
+
+
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
                      causal: bool = True, bytes_per_element: int = 2) -> list[Operation]:
@@ -202,8 +217,9 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         nbytes = 2 * io * (2 if core_again else 1) + 4 * io
         rate = attention_rate(gpu, attention, s, h_d, causal)
         ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
-        ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
-                               1.5 / e, block_rerun))
+        if not gpu.eager_elementwise:
+            ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
+                                   1.5 / e, block_rerun))
     else:
         extra = 1 if core_again else 0
         scores = matmul("attention scores QKᵀ", gpu, s, h_d, s, e, 3 + extra, batch=heads)
@@ -211,6 +227,12 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         softmax = elementwise("softmax + dropout", gpu, heads * s * s * (4 * e + 1), heads * s * s * (5 * e + 1),
                               1.0, core_again)
         ops += [scores, softmax, values]
+    if gpu.eager_elementwise:                         # the course's model, op by op (eager_traffic)
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
+                             "eager_traffic counts a TP rank's layer on every row")
+        counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
+        return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]
     rows = T // t if sequence_parallel else T
     ops.append(elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun))
     ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e), block_rerun))
@@ -224,6 +246,11 @@ def head_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, vo
     """The last stage's extra work per micro-batch: the final norm, the head's GEMM (split over ``vocab_split``
     GPUs with a vocab-parallel head) and the loss over the logits."""
     T, d, e, V = micro_batch_size * seq_len, config.hidden, bytes_per_element, config.vocab_size // vocab_split
+    if gpu.eager_elementwise:                         # the course's model, op by op (eager_traffic)
+        counted = head_traffic(config, micro_batch_size=micro_batch_size, seq_len=seq_len, vocab_split=vocab_split,
+                               bytes_per_element=e)
+        return [matmul("head", gpu, T, d, V, e, 3), eager("final RMSNorm and loss, as model.py runs them", gpu,
+                                                          counted, e, False)]
     return [elementwise("final RMSNorm", gpu, 2 * T * d * e, 3 * T * d * e, 2.5 / e, False),
             matmul("head", gpu, T, d, V, e, 3),
             elementwise("loss (softmax cross-entropy)", gpu, T * V * e, 2 * T * V * e, 2.5 / e, False)]

@@ -1,0 +1,148 @@
+"""What the course's own model moves through memory when PyTorch runs it op by op (eager), counted by running it.
+
+kernel_times prices a layer's memory-bound work as the frameworks of the published GPU runs run it: each of
+RMSNorm, rotary, the residual add and SwiGLU's product one fused kernel that reads its inputs once and writes its
+output once. The course's model (course_lib.model) runs on this CPU as model.py writes it, one op at a time, and
+each op reads its inputs from memory and writes its output back:
+
+    RMSNorm     forward pow, mean, add, rsqrt, two multiplies; backward nine ops (FusedRMSNorm.backward)
+    rotary      per q and k: four multiplies, a subtract, an add, a cat, and the angles; backward eight ops
+    attention   repeat_interleave of k and v (grouped-query), the copy that reshapes its output
+    SwiGLU      silu, a multiply; backward silu's and the multiply's
+
+so it moves about three times the fused count (the tiny model's layer, 8 × 64 tokens in fp32: 17.8 MB forward +
+backward in 92 ops, against 5.8 MB).
+Here those ops are counted, not assumed: a layer (and, for the last stage, the final norm and the loss) runs
+forward and then backward on the meta device (shapes only: no data, no time, any size) under a dispatch mode that
+sees every op autograd runs, and adds up, for every op that touches a tensor,
+
+    bytes(op) = Σ over its tensor inputs and outputs of min(numel · element size, its storage's bytes)
+
+(the min: a broadcast input, expanded to many elements, is read from one small storage). Left out: views (no data
+moved) and the kernels kernel_times times by their FLOPs, the matmuls and the attention kernel. SDPA is sent to
+torch's CPU flash kernel, the one it runs on this CPU (on the meta device it would fall back to its unfused maths).
+A tensor-parallel rank's layer is the same Block with its projections narrowed to the rank's share (what
+tensor_parallel shards: q, k, v, gate and up by output columns, o and down by input rows); its collectives are no
+ops of this count. A mixture of experts is not counted: its routing depends on the data, which the meta device
+does not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .model import Block, ModelConfig, RMSNorm, loss_fn
+
+TIMED_ON_THEIR_OWN = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_flash_attention_for_cpu_backward"}
+NOT_DATA = {"_unsafe_view", "promote_types"}        # a view by another name; a dtype, no tensor
+DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+COLUMN_SPLIT, ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    kernels: int              # ops that touch a tensor and move its data (each one launch)
+    bytes: int                # what they read and write, at least
+
+
+class _Counter(TorchDispatchMode):
+    """Every op dispatched while active, but views and TIMED_ON_THEIR_OWN: how many, and their bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        name = func.__name__.split(".")[0]
+        if tensors and not func.is_view and name not in TIMED_ON_THEIR_OWN | NOT_DATA:
+            self.kernels += 1
+            self.bytes += sum(min(x.numel() * x.element_size(), x.untyped_storage().nbytes()) for x in tensors)
+        return out
+
+    def traffic(self) -> Traffic:
+        return Traffic(self.kernels, self.bytes)
+
+
+class _CpuFlash(TorchFunctionMode):
+    """F.scaled_dot_product_attention as torch runs it on a CPU, its flash kernel, on the meta device too (where
+    SDPA would otherwise run its unfused maths: a softmax over the scores, and more ops)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, is_causal=kwargs.get("is_causal", False))[0]
+        return func(*args, **kwargs)
+
+
+def _forward_backward(forward, device: str) -> dict[str, Traffic]:
+    """{"forward", "backward"}: the traffic of ``forward()`` and of the backward of what it returns."""
+    with _CpuFlash() if device == "meta" else contextlib.nullcontext(), _Counter() as counted:
+        out = forward()
+    grad = torch.ones_like(out)                        # outside the count: the gradient arriving from above
+    with _Counter() as counted_backward:
+        out.backward(grad)
+    return {"forward": counted.traffic(), "backward": counted_backward.traffic()}
+
+
+@lru_cache(maxsize=256)
+def _layer(fields: tuple, micro_batch_size: int, seq_len: int, tp: int, bytes_per_element: int, device: str) -> dict:
+    config = ModelConfig(**dict(fields))
+    dtype = DTYPES[bytes_per_element]
+    with torch.device(device):
+        block = Block(config).to(dtype)
+        for module in list(block.modules()):
+            for name, linear in list(module.named_children()):
+                if isinstance(linear, nn.Linear) and tp > 1 and name in COLUMN_SPLIT + ROW_SPLIT:
+                    rows, columns = linear.in_features, linear.out_features
+                    rows, columns = (rows, columns // tp) if name in COLUMN_SPLIT else (rows // tp, columns)
+                    setattr(module, name, nn.Linear(rows, columns, bias=linear.bias is not None, dtype=dtype))
+        x = torch.randn(micro_batch_size, seq_len, config.hidden, dtype=dtype, requires_grad=True)
+    return _forward_backward(lambda: block(x), device)
+
+
+@lru_cache(maxsize=256)
+def _head(fields: tuple, micro_batch_size: int, seq_len: int, vocab_split: int, bytes_per_element: int,
+          device: str) -> dict:
+    config = ModelConfig(**dict(fields))
+    dtype = DTYPES[bytes_per_element]
+    with torch.device(device):
+        norm = RMSNorm(config.hidden, config.norm_eps).to(dtype)
+        head = nn.Linear(config.hidden, config.vocab_size // vocab_split, bias=False, dtype=dtype)
+        x = torch.randn(micro_batch_size, seq_len, config.hidden, dtype=dtype, requires_grad=True)
+        targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+    return _forward_backward(lambda: loss_fn(head(norm(x)), targets), device)
+
+
+def _fields(config: ModelConfig) -> tuple:
+    if getattr(config, "num_experts", 0):
+        raise ValueError(f"num_experts={config.num_experts}: the eager traffic of a mixture of experts is not "
+                         "counted (its routing depends on the data, which the meta device does not have)")
+    return tuple(sorted(dataclasses.asdict(config).items()))
+
+
+def layer_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, tp: int = 1,
+                  bytes_per_element: int = 4, device: str = "meta") -> dict[str, Traffic]:
+    """One layer's memory-bound ops on one of ``tp`` ranks, as model.py dispatches them: {"forward",
+    "backward"} -> Traffic (module docstring). ``device="cpu"`` runs it for real (the same count, slower)."""
+    return _layer(_fields(config), micro_batch_size, seq_len, tp, bytes_per_element, device)
+
+
+def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,
+                 bytes_per_element: int = 4, device: str = "meta") -> dict[str, Traffic]:
+    """The final norm and the loss over one rank's ``vocab_size / vocab_split`` logits (the plain cross entropy's
+    ops; vocab_parallel's own differ a little), as model.py dispatches them: {"forward", "backward"} -> Traffic."""
+    return _head(_fields(config), micro_batch_size, seq_len, vocab_split, bytes_per_element, device)

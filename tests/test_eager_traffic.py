@@ -1,0 +1,68 @@
+"""course_lib.eager_traffic: the count on the meta device is the count of the model run for real on this CPU, a TP
+rank's layer keeps its norms whole, and a machine that runs the model eagerly is costed with it."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from course_lib.eager_traffic import head_traffic, layer_traffic
+from course_lib.hardware import GPUS
+from course_lib.kernel_times import layer_operations
+from course_lib.model import preset, widened
+
+TINY = preset("tiny")
+SHAPE = dict(micro_batch_size=2, seq_len=16)
+
+
+@pytest.mark.parametrize("bytes_per_element", [2, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_meta_counts_what_the_cpu_runs(tp, bytes_per_element):
+    # On the meta device SDPA is sent to the CPU's flash kernel; on the CPU it picks it itself. Same ops, same bytes.
+    on_meta = layer_traffic(TINY, tp=tp, bytes_per_element=bytes_per_element, **SHAPE)
+    on_cpu = layer_traffic(TINY, tp=tp, bytes_per_element=bytes_per_element, device="cpu", **SHAPE)
+    assert on_meta == on_cpu
+    assert head_traffic(TINY, bytes_per_element=bytes_per_element, **SHAPE) == head_traffic(
+        TINY, bytes_per_element=bytes_per_element, device="cpu", **SHAPE)
+
+
+def test_a_tp_rank_halves_its_heads_and_columns_not_its_norms():
+    whole, half = (layer_traffic(TINY, tp=tp, **SHAPE) for tp in (1, 2))
+    for direction in ("forward", "backward"):
+        assert half[direction].kernels == whole[direction].kernels          # the same ops, on narrower tensors
+        assert whole[direction].bytes / 2 < half[direction].bytes < whole[direction].bytes
+
+
+def test_eager_moves_more_than_the_fused_count_and_is_costed_at_bandwidth():
+    fused_gpu = GPUS["A100 80GB"]
+    eager_gpu = replace(fused_gpu, eager_elementwise=True)
+    kernels = dict(micro_batch_size=8, seq_len=64, bytes_per_element=4)
+    memory_bound = ("rotary", "RMSNorm ×2", "residual add ×2", "SwiGLU products")
+    fused = sum(op.bytes for op in layer_operations(TINY, fused_gpu, **kernels) if op.name in memory_bound)
+    (eager,) = [op for op in layer_operations(TINY, eager_gpu, **kernels) if op.name.startswith("elementwise")]
+    counted = layer_traffic(TINY, micro_batch_size=8, seq_len=64)
+    assert eager.bytes == counted["forward"].bytes + counted["backward"].bytes
+    assert eager.bytes > 3 * fused
+    assert eager.seconds == pytest.approx(eager.kernels * eager_gpu.launch_s)   # tiny: each op its launch
+    wide, big = preset("tiny", **widened(4096)), dict(micro_batch_size=1, seq_len=4096, bytes_per_element=2)
+    (eager,) = [op for op in layer_operations(wide, eager_gpu, **big) if op.name.startswith("elementwise")]
+    bandwidth = eager_gpu.hbm_share * eager_gpu.hbm_bytes_per_s
+    assert eager.seconds == pytest.approx(eager.bytes / bandwidth)             # a 4,096-wide layer: memory-bound
+    (recomputed,) = [op for op in layer_operations(wide, eager_gpu, recompute="full", **big)
+                     if op.name.startswith("elementwise")]
+    assert recomputed.bytes == eager.bytes + layer_traffic(wide, **big)["forward"].bytes   # the forward again
+
+
+def test_what_it_cannot_count_is_refused():
+    with pytest.raises(ValueError, match="num_experts=4"):
+        layer_traffic(preset("tiny", num_experts=4), **SHAPE)
+    eager_gpu = replace(GPUS["A100 80GB"], eager_elementwise=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        layer_operations(TINY, eager_gpu, tp=2, sequence_parallel=True, **SHAPE)
+
+
+def test_counting_leaves_no_state_behind():
+    before = torch.get_default_dtype(), torch.is_grad_enabled()
+    layer_traffic(preset("tiny", hidden=32, num_heads=4, num_kv_heads=2), **SHAPE)
+    assert (torch.get_default_dtype(), torch.is_grad_enabled()) == before
+    assert torch.zeros(1).device.type == "cpu"                                  # torch.device("meta") is left
