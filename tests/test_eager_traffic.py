@@ -42,7 +42,7 @@ def test_eager_moves_more_than_the_fused_count_and_is_costed_at_bandwidth():
     (eager,) = [op for op in layer_operations(TINY, eager_gpu, **kernels) if op.name.startswith("elementwise")]
     counted = layer_traffic(TINY, micro_batch_size=8, seq_len=64)
     assert eager.bytes == counted["forward"].bytes + counted["backward"].bytes
-    assert eager.bytes > 3 * fused
+    assert 3 * fused < eager.bytes < 3.5 * fused        # "about three times" (notebook 09, part 3)
     assert eager.seconds == pytest.approx(eager.kernels * eager_gpu.launch_s)   # tiny: each op its launch
     wide, big = preset("tiny", **widened(4096)), dict(micro_batch_size=1, seq_len=4096, bytes_per_element=2)
     (eager,) = [op for op in layer_operations(wide, eager_gpu, **big) if op.name.startswith("elementwise")]
