@@ -93,7 +93,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .comm import wire_bytes
-from .hardware import GPU, collective_link, find_gpu, link_for, ring_latency
+from .hardware import GPU, collective_link, find_gpu, link_for, ring_latency, spread
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
@@ -304,7 +304,7 @@ def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> fl
     per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
     link = link_for(t, job.gpus_per_node, hw)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
-    nodes = -(-t // job.gpus_per_node)
+    nodes = spread(t, t, job.gpus_per_node)[1]
     one = sum(_latency(hw, link, op, t, nodes)
               + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
               for op in ops)
@@ -327,9 +327,7 @@ def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[f
         gradient = weight = 0.0
         for group in data_parallel_traffic(job, stage):
             link = link_for(group["span"], job.gpus_per_node, hw, group["size"])
-            per_node = group["size"] if group["span"] <= job.gpus_per_node else max(
-                1, group["size"] * job.gpus_per_node // group["span"])
-            nodes = -(-group["size"] // per_node)
+            nodes = spread(group["size"], group["span"], job.gpus_per_node)[1]
             for op, nbytes in group["ops"].items():
                 latency = _latency(hw, link, op, group["size"], nodes)
                 rate = collective_link(hw, link, op).bytes_per_s

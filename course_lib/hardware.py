@@ -244,6 +244,16 @@ def ring_latency(op: str, ranks: int, nodes: int = 1) -> float:
     return NCCL_RING_BASE_S + (steps - across) * NCCL_NVLINK_HOP_S + across * NCCL_NETWORK_HOP_S
 
 
+def spread(group_size: int, group_span: int, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of a group of ``group_size`` ranks evenly spaced over ``group_span`` consecutive
+    ranks: one node when the span fits inside one (and nodes hold a whole number of spans), else the group's
+    ranks shared evenly by the nodes it reaches (at least two: it crosses a node boundary)."""
+    if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
+        return group_size, 1
+    per_node = min(group_size, max(1, group_size * gpus_per_node // group_span))
+    return per_node, max(min(2, group_size), -(-group_size // per_node))
+
+
 def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | None = None) -> Link:
     """NVLink if a group of ``group_span`` consecutive ranks stays inside one node, else the network. A ring
     collective over ``group_size`` ranks that spans nodes with k of them in each node runs as NCCL runs it on a
@@ -253,7 +263,7 @@ def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | No
     8 × 50, NVIDIA's GTC 2024 NCCL talk). One GPU per node (a group strided by tp), or point-to-point: one NIC."""
     if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
         return gpu.nvlink
-    per_node = 1 if group_size is None else max(1, group_size * gpus_per_node // group_span)
+    per_node = 1 if group_size is None else spread(group_size, group_span, gpus_per_node)[0]
     if per_node == 1:
         return gpu.network
     rate = min(per_node * gpu.network.bytes_per_s, gpu.nvlink.bytes_per_s)

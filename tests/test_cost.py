@@ -254,6 +254,18 @@ def test_a_catalogue_gpu_pays_nccls_ring_latency_per_collective():
     assert step.dp_comm_s == pytest.approx(latency + sum(sent.values()) / beta, rel=1e-12)
 
 
+def test_a_group_is_spread_over_nodes_one_way_for_its_link_and_its_latency():
+    """hardware.spread: what link_for's rails and the ring's latency both read. A group inside one node; a group
+    strided across nodes (k of its ranks per node); a group whose span does not tile the node crosses a boundary."""
+    from course_lib.hardware import GPUS, link_for, spread
+    a100 = GPUS["A100 80GB"]
+    assert spread(8, 8, 8) == (8, 1) and spread(4, 4, 8) == (4, 1)
+    assert spread(16, 16, 8) == (8, 2) and spread(64, 512, 8) == (1, 64) and spread(16, 64, 8) == (2, 8)
+    assert spread(3, 3, 8) == (3, 2)                 # 3 consecutive ranks on 8-GPU nodes: some groups straddle two
+    assert link_for(3, 8, a100, 3).bytes_per_s == 3 * a100.network.bytes_per_s      # ... so the network, 3 rails
+    assert spread(1, 16, 8) == (1, 1)                # a group of one crosses nothing
+
+
 def test_overlaps_hide_what_they_can():
     """TP: the backward all-reduces hide behind the weight-gradient GEMMs, up to their time; PP: asynchronous
     sends hide; FSDP: every micro-batch's gathers and reduce-scatters can hide behind its compute."""
