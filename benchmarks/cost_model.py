@@ -13,7 +13,8 @@ a round of the calibration (so that a slow spell of this shared machine meets bo
 Prints predicted, measured and their ratio per run, then the largest miss (goal: within 20% on an idle machine; a
 busy one slows the measured runs, not the model). About 90 seconds.
 
-What the model leaves out, measured here: the ranks wait for each other at each collective (on a bare step side by
+What the model leaves out, as measured on the course's 2-core machine on 2026-12-02 and 03 (by timing Comm's calls
+inside the runs, not by this script): the ranks wait for each other at each collective (on a bare step side by
 side, the slower of two ranks averaged 3-16% above their mean), and a collective costs more inside a run than in
 the calibration's loop. A 15 MB gloo reduce-scatter took 17-18 ms after small matmuls that stay in the caches, 26 ms
 after a backward through 640 × 1,280 layers, and 20-72 ms inside the 10× wider ZeRO-3 run.

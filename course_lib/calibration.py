@@ -23,10 +23,10 @@ a degenerate model, never on the runs the model then predicts:
                so the two add (GPU.launch_adds), where a GPU queues kernels ahead and takes the longer
     per layer  a training step of the course's runner (runs.mesh.train_3d, each rank alone, a run's threads) on the
                width-8 model of 3 layers less one of 1 layer, halved, 4 tokens, less what kernel_times says the
-               layer's kernels take (its elementwise ops as model.py dispatches them: GPU.eager_elementwise, for
-               this machine runs the course's model op by op) and what one more layer adds to Adam's step (its loop over the layer's
-               tensors, measured apart on the bare model): the framework's own work per layer and micro-batch,
-               and per layer once a step
+               layer's kernels take (its elementwise ops as model.py dispatches them, GPU.eager_elementwise:
+               this machine runs the course's model op by op) and what one more layer adds to Adam's step (its
+               loop over the layer's tensors, measured apart on the bare model): the framework's own work per
+               layer and micro-batch, and per layer once a step
     per step   the 1-layer step less its kernels (layer, head, optimizer) and the per-layer work: the
                framework's own work once a step (the loss, the embedding, the executor, zeroing)
     gloo       course_lib.comm.Comm's all-reduce, all-gather, reduce-scatter and pipeline exchange of 1 to 4M
@@ -280,7 +280,8 @@ def as_gpu(measured: dict, name: str = "this machine (measured)") -> GPU:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = GPU(name, peak, memory, measured["stream_bytes_per_s"], link, link, source, matmul_share=1.0,
               attention_share=attention_share, matmul_half_dim=half, attention_half_dim=attention_half,
-              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid, nccl_rings=False, eager_elementwise=True,
+              hbm_share=1.0, launch_s=launch_s, launch_adds=True, matmul_grid=grid, nccl_rings=False,
+              eager_elementwise=True,
               optimizer_bytes_per_param=measured["adam_s_per_param"] * measured["stream_bytes_per_s"],
               collective_links=tuple(links.items()))
     return _with_overheads(gpu, measured, e)

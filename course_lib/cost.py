@@ -302,7 +302,7 @@ def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> fl
     traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence, t, job.bytes_per_element,
                               recompute=job.recompute)
     per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
-    link = link_for(t, job.gpus_per_node, hw)
+    link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
     nodes = spread(t, t, job.gpus_per_node)[1]
     one = sum(_latency(hw, link, op, t, nodes)

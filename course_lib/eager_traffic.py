@@ -6,12 +6,15 @@ output once. The course's model (course_lib.model) runs on this CPU as model.py 
 each op reads its inputs from memory and writes its output back:
 
     RMSNorm     forward pow, mean, add, rsqrt, two multiplies; backward nine ops (FusedRMSNorm.backward)
-    rotary      per q and k: four multiplies, a subtract, an add, a cat, and the angles; backward eight ops
-    attention   repeat_interleave of k and v (grouped-query), the copy that reshapes its output
+    rotary      per q and k: the angles (eight small ops), four multiplies, a subtract, an add, a cat;
+                backward eight ops
+    attention   repeat_interleave of k and v (grouped-query), and in backward the sums that undo it
     SwiGLU      silu, a multiply; backward silu's and the multiply's
+    residual    the two adds, and in backward the adds where a gradient arrives by two paths (q, k and v from
+                one input; gate and up from one; each residual)
 
-so it moves about three times the fused count (the tiny model's layer, 8 × 64 tokens in fp32: 17.8 MB forward +
-backward in 92 ops, against 5.8 MB).
+so in fp32 it moves about three times the fused count (the tiny model's layer, 8 × 64 tokens: 48 ops forward and
+44 backward, 17.8 MB in all, against 5.8 MB); in bf16 more, for the norms and rotary compute in fp32 and cast.
 Here those ops are counted, not assumed: a layer (and, for the last stage, the final norm and the loss) runs
 forward and then backward on the meta device (shapes only: no data, no time, any size) under a dispatch mode that
 sees every op autograd runs, and adds up, for every op that touches a tensor,
@@ -24,7 +27,8 @@ torch's CPU flash kernel, the one it runs on this CPU (on the meta device it wou
 A tensor-parallel rank's layer is the same Block with its projections narrowed to the rank's share (what
 tensor_parallel shards: q, k, v, gate and up by output columns, o and down by input rows); its collectives are no
 ops of this count. A mixture of experts is not counted: its routing depends on the data, which the meta device
-does not have.
+does not have. Not counted either: the attention core's grouped-query copies again where selective recomputation
+reruns the core alone, and the gradient's accumulation from the second micro-batch on (an add per parameter).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
@@ -41,10 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .model import Block, ModelConfig, RMSNorm, loss_fn
+from .tensor_parallel import check_tp_divisible
 
 TIMED_ON_THEIR_OWN = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_flash_attention_for_cpu_backward"}
-NOT_DATA = {"_unsafe_view", "promote_types"}        # a view by another name; a dtype, no tensor
+NOT_DATA = {"_unsafe_view"}                         # a view by another name
 DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 COLUMN_SPLIT, ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 
@@ -82,24 +88,30 @@ class _CpuFlash(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
+            if len(args) > 3 or set(kwargs) - {"is_causal"}:
+                raise ValueError("eager_traffic counts SDPA called as model.py calls it, (q, k, v, is_causal=...); "
+                                 f"got {len(args)} positional arguments and {sorted(kwargs)}")
+            q, k, v = args
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, is_causal=kwargs.get("is_causal", False))[0]
         return func(*args, **kwargs)
 
 
-def _forward_backward(forward, device: str) -> dict[str, Traffic]:
-    """{"forward", "backward"}: the traffic of ``forward()`` and of the backward of what it returns."""
-    with _CpuFlash() if device == "meta" else contextlib.nullcontext(), _Counter() as counted:
-        out = forward()
-    grad = torch.ones_like(out)                        # outside the count: the gradient arriving from above
-    with _Counter() as counted_backward:
-        out.backward(grad)
-    return {"forward": counted.traffic(), "backward": counted_backward.traffic()}
+def _forward_backward(forward, device: str) -> MappingProxyType:
+    """{"forward", "backward"}: the traffic of ``forward()`` and of the backward of what it returns (read-only:
+    the caches below hand the same one to every caller)."""
+    with torch.enable_grad():                          # counted the same under a caller's no_grad()
+        with _CpuFlash() if device == "meta" else contextlib.nullcontext(), _Counter() as counted:
+            out = forward()
+        grad = torch.ones_like(out)                    # outside the count: the gradient arriving from above
+        with _Counter() as counted_backward:
+            out.backward(grad)
+    return MappingProxyType({"forward": counted.traffic(), "backward": counted_backward.traffic()})
 
 
 @lru_cache(maxsize=256)
-def _layer(fields: tuple, micro_batch_size: int, seq_len: int, tp: int, bytes_per_element: int, device: str) -> dict:
+def _layer(fields: tuple, micro_batch_size: int, seq_len: int, tp: int, bytes_per_element: int,
+           device: str) -> MappingProxyType:
     config = ModelConfig(**dict(fields))
     dtype = DTYPES[bytes_per_element]
     with torch.device(device):
@@ -116,7 +128,7 @@ def _layer(fields: tuple, micro_batch_size: int, seq_len: int, tp: int, bytes_pe
 
 @lru_cache(maxsize=256)
 def _head(fields: tuple, micro_batch_size: int, seq_len: int, vocab_split: int, bytes_per_element: int,
-          device: str) -> dict:
+          device: str) -> MappingProxyType:
     config = ModelConfig(**dict(fields))
     dtype = DTYPES[bytes_per_element]
     with torch.device(device):
@@ -127,7 +139,9 @@ def _head(fields: tuple, micro_batch_size: int, seq_len: int, vocab_split: int, 
     return _forward_backward(lambda: loss_fn(head(norm(x)), targets), device)
 
 
-def _fields(config: ModelConfig) -> tuple:
+def _fields(config: ModelConfig, bytes_per_element: int) -> tuple:
+    if bytes_per_element not in DTYPES:
+        raise ValueError(f"bytes_per_element={bytes_per_element!r}: one of {sorted(DTYPES)} (bf16, fp32, fp64)")
     if getattr(config, "num_experts", 0):
         raise ValueError(f"num_experts={config.num_experts}: the eager traffic of a mixture of experts is not "
                          "counted (its routing depends on the data, which the meta device does not have)")
@@ -135,14 +149,16 @@ def _fields(config: ModelConfig) -> tuple:
 
 
 def layer_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, tp: int = 1,
-                  bytes_per_element: int = 4, device: str = "meta") -> dict[str, Traffic]:
+                  bytes_per_element: int = 4, device: str = "meta") -> MappingProxyType:
     """One layer's memory-bound ops on one of ``tp`` ranks, as model.py dispatches them: {"forward",
     "backward"} -> Traffic (module docstring). ``device="cpu"`` runs it for real (the same count, slower)."""
-    return _layer(_fields(config), micro_batch_size, seq_len, tp, bytes_per_element, device)
+    check_tp_divisible(config, tp)
+    return _layer(_fields(config, bytes_per_element), micro_batch_size, seq_len, tp, bytes_per_element, device)
 
 
 def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,
-                 bytes_per_element: int = 4, device: str = "meta") -> dict[str, Traffic]:
+                 bytes_per_element: int = 4, device: str = "meta") -> MappingProxyType:
     """The final norm and the loss over one rank's ``vocab_size / vocab_split`` logits (the plain cross entropy's
     ops; vocab_parallel's own differ a little), as model.py dispatches them: {"forward", "backward"} -> Traffic."""
-    return _head(_fields(config), micro_batch_size, seq_len, vocab_split, bytes_per_element, device)
+    return _head(_fields(config, bytes_per_element), micro_batch_size, seq_len, vocab_split, bytes_per_element,
+                 device)

@@ -246,12 +246,18 @@ def ring_latency(op: str, ranks: int, nodes: int = 1) -> float:
 
 def spread(group_size: int, group_span: int, gpus_per_node: int) -> tuple[int, int]:
     """(ranks per node, nodes) of a group of ``group_size`` ranks evenly spaced over ``group_span`` consecutive
-    ranks: one node when the span fits inside one (and nodes hold a whole number of spans), else the group's
-    ranks shared evenly by the nodes it reaches (at least two: it crosses a node boundary)."""
+    ranks. Inside one node when the span fits in one and nodes hold a whole number of spans; else the group's
+    ranks are shared evenly by the nodes the span reaches. A span that fits in a node but does not tile it
+    (3 ranks of an 8-GPU node) leaves some groups across a boundary: two nodes, the thinner side's ranks."""
+    if not 1 <= group_size <= group_span or gpus_per_node < 1:
+        raise ValueError(f"group_size={group_size}, group_span={group_span}, gpus_per_node={gpus_per_node}: a group "
+                         "of at least 1 rank, spaced over at least as many consecutive ranks, on nodes of >= 1 GPU")
     if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
         return group_size, 1
-    per_node = min(group_size, max(1, group_size * gpus_per_node // group_span))
-    return per_node, max(min(2, group_size), -(-group_size // per_node))
+    if group_span < gpus_per_node or group_size == 1:
+        return max(1, group_size // 2), min(2, group_size)
+    per_node = max(1, group_size * gpus_per_node // group_span)
+    return per_node, -(-group_size // per_node)
 
 
 def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | None = None) -> Link:

@@ -179,8 +179,9 @@ def eager(name: str, gpu: GPU, counted: dict, e: int, forward_again: bool) -> Op
     again when recomputed), each pass its bytes at HBM bandwidth and a launch per op (timed's rule)."""
     passes = [counted["forward"], counted["backward"]] + ([counted["forward"]] if forward_again else [])
     parts = [timed(name, gpu, p.bytes / e, p.bytes, rate=gpu.peak_flops, kernels=p.kernels) for p in passes]
+    bound = max(("memory", "launch"), key=lambda kind: sum(p.seconds for p in parts if p.bound == kind))
     return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), sum(p.seconds for p in parts),
-                     "memory", sum(p.kernels for p in parts))
+                     bound, sum(p.kernels for p in parts))
 
 
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,

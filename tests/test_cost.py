@@ -261,9 +261,11 @@ def test_a_group_is_spread_over_nodes_one_way_for_its_link_and_its_latency():
     a100 = GPUS["A100 80GB"]
     assert spread(8, 8, 8) == (8, 1) and spread(4, 4, 8) == (4, 1)
     assert spread(16, 16, 8) == (8, 2) and spread(64, 512, 8) == (1, 64) and spread(16, 64, 8) == (2, 8)
-    assert spread(3, 3, 8) == (3, 2)                 # 3 consecutive ranks on 8-GPU nodes: some groups straddle two
-    assert link_for(3, 8, a100, 3).bytes_per_s == 3 * a100.network.bytes_per_s      # ... so the network, 3 rails
+    assert spread(3, 3, 8) == (1, 2)                 # 3 consecutive ranks on 8-GPU nodes: some groups straddle two,
+    assert link_for(3, 8, a100, 3) is a100.network   # ... 2 + 1: the thinner side's one NIC
     assert spread(1, 16, 8) == (1, 1)                # a group of one crosses nothing
+    with pytest.raises(ValueError, match="group_size=4, group_span=2"):
+        spread(4, 2, 8)
 
 
 def test_overlaps_hide_what_they_can():
