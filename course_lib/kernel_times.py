@@ -49,6 +49,7 @@ fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step)
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .eager_traffic import head_traffic, layer_traffic
@@ -174,7 +175,7 @@ def elementwise(name: str, gpu: GPU, forward_bytes: float, backward_bytes: float
     return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound, len(parts))
 
 
-def eager(name: str, gpu: GPU, counted: dict, e: int, forward_again: bool) -> Operation:
+def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) -> Operation:
     """Memory-bound ops as eager PyTorch runs them, counted by eager_traffic: forward, backward (and the forward
     again when recomputed), each pass its bytes at HBM bandwidth and a launch per op (timed's rule)."""
     passes = [counted["forward"], counted["backward"]] + ([counted["forward"]] if forward_again else [])
