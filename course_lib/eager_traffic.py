@@ -110,33 +110,33 @@ def _forward_backward(forward, device: str) -> MappingProxyType:
 
 
 @lru_cache(maxsize=256)
-def _layer(fields: tuple, micro_batch_size: int, seq_len: int, tp: int, bytes_per_element: int,
-           device: str) -> MappingProxyType:
+def _counted(part: str, fields: tuple, micro_batch_size: int, seq_len: int, split: int, bytes_per_element: int,
+             device: str) -> MappingProxyType:
+    """``part`` "layer": a Block on one of ``split`` TP ranks; "head": the final norm, the head over 1/``split``
+    of the vocabulary, and the loss. Cached: a config's count is the same every time."""
     config = ModelConfig(**dict(fields))
     dtype = DTYPES[bytes_per_element]
     with torch.device(device):
-        block = Block(config).to(dtype)
-        for module in list(block.modules()):
-            for name, linear in list(module.named_children()):
-                if isinstance(linear, nn.Linear) and tp > 1 and name in COLUMN_SPLIT + ROW_SPLIT:
-                    rows, columns = linear.in_features, linear.out_features
-                    rows, columns = (rows, columns // tp) if name in COLUMN_SPLIT else (rows // tp, columns)
-                    setattr(module, name, nn.Linear(rows, columns, bias=linear.bias is not None, dtype=dtype))
         x = torch.randn(micro_batch_size, seq_len, config.hidden, dtype=dtype, requires_grad=True)
-    return _forward_backward(lambda: block(x), device)
-
-
-@lru_cache(maxsize=256)
-def _head(fields: tuple, micro_batch_size: int, seq_len: int, vocab_split: int, bytes_per_element: int,
-          device: str) -> MappingProxyType:
-    config = ModelConfig(**dict(fields))
-    dtype = DTYPES[bytes_per_element]
-    with torch.device(device):
+        if part == "layer":
+            block = _tp_rank_block(config, split, dtype)
+            return _forward_backward(lambda: block(x), device)
         norm = RMSNorm(config.hidden, config.norm_eps).to(dtype)
-        head = nn.Linear(config.hidden, config.vocab_size // vocab_split, bias=False, dtype=dtype)
-        x = torch.randn(micro_batch_size, seq_len, config.hidden, dtype=dtype, requires_grad=True)
+        head = nn.Linear(config.hidden, config.vocab_size // split, bias=False, dtype=dtype)
         targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
     return _forward_backward(lambda: loss_fn(head(norm(x)), targets), device)
+
+
+def _tp_rank_block(config: ModelConfig, tp: int, dtype) -> Block:
+    """A Block as one of ``tp`` ranks holds it: its projections narrowed to the rank's share (module docstring)."""
+    block = Block(config).to(dtype)
+    for module in list(block.modules()):
+        for name, linear in list(module.named_children()):
+            if isinstance(linear, nn.Linear) and tp > 1 and name in COLUMN_SPLIT + ROW_SPLIT:
+                rows, columns = linear.in_features, linear.out_features
+                rows, columns = (rows, columns // tp) if name in COLUMN_SPLIT else (rows // tp, columns)
+                setattr(module, name, nn.Linear(rows, columns, bias=linear.bias is not None, dtype=dtype))
+    return block
 
 
 def _fields(config: ModelConfig, bytes_per_element: int) -> tuple:
@@ -153,12 +153,13 @@ def layer_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, t
     """One layer's memory-bound ops on one of ``tp`` ranks, as model.py dispatches them: {"forward",
     "backward"} -> Traffic (module docstring). ``device="cpu"`` runs it for real (the same count, slower)."""
     check_tp_divisible(config, tp)
-    return _layer(_fields(config, bytes_per_element), micro_batch_size, seq_len, tp, bytes_per_element, device)
+    return _counted("layer", _fields(config, bytes_per_element), micro_batch_size, seq_len, tp, bytes_per_element,
+                    device)
 
 
 def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,
                  bytes_per_element: int = 4, device: str = "meta") -> MappingProxyType:
     """The final norm and the loss over one rank's ``vocab_size / vocab_split`` logits (the plain cross entropy's
     ops; vocab_parallel's own differ a little), as model.py dispatches them: {"forward", "backward"} -> Traffic."""
-    return _head(_fields(config, bytes_per_element), micro_batch_size, seq_len, vocab_split, bytes_per_element,
-                 device)
+    return _counted("head", _fields(config, bytes_per_element), micro_batch_size, seq_len, vocab_split,
+                    bytes_per_element, device)
