@@ -10,8 +10,9 @@ saw: DDP, ZeRO-3, TP and 1F1B PP on 2 ranks, for the tiny model and one 10× wid
 
 Each run: the median of its steps after the first (warm-up), in each of three passes over all runs, each pass after
 a round of the calibration (so that a slow spell of this shared machine meets both), and the median of the three.
-Prints predicted, measured and their ratio per run, then the largest miss (goal: within 20% on an idle machine; a
-busy one slows the measured runs, not the model). About 90 seconds.
+Prints predicted, measured and their ratio per run, with each round's measured figure, then the largest miss (goal:
+within 20% on an idle machine; a busy one slows the measured runs, not the model) and how far a run's rounds spread
+(a run whose slowest round takes more than 1.2× its fastest met a busy spell). About 90 seconds.
 
 What the model leaves out, as measured on the course's 2-core machine on 2026-12-02 and 03 (by timing Comm's calls
 inside the runs, not by this script): the ranks wait for each other at each collective (on a bare step side by
@@ -40,13 +41,17 @@ def main():
             for name, layout in LAYOUTS.items()}
     machine, rows = check_live_runs(runs, world_size=WORLD_SIZE, steps=6, rounds=3)
     print(f"this machine, measured ({WORLD_SIZE} ranks at once): {describe(machine)}\n")
-    print(f"{'run':34}{'predicted':>12}{'measured':>12}{'ratio':>8}")
+    print(f"{'run':34}{'predicted':>12}{'measured':>12}{'ratio':>8}   measured in each round")
     for row in rows:
         predicted, measured = row["predicted_s"] * 1e3, row["measured_s"] * 1e3
-        print(f"{row['run']:34}{predicted:10.1f} ms{measured:10.1f} ms{row['ratio']:8.2f}")
+        rounds = ", ".join(f"{seconds * 1e3:.1f}" for seconds in row["measured_rounds_s"])
+        print(f"{row['run']:34}{predicted:10.1f} ms{measured:10.1f} ms{row['ratio']:8.2f}   {rounds} ms")
     worst = max((row["ratio"] for row in rows), key=lambda ratio: abs(ratio - 1))
+    spread = max(max(row["measured_rounds_s"]) / min(row["measured_rounds_s"]) for row in rows)
     print(f"\nlargest miss: predicted / measured = {worst:.2f} ({abs(worst - 1):.0%}; goal within 20%), "
           f"in {time.perf_counter() - start:.0f} s")
+    print(f"the machine's own spread: a run's slowest round took up to {spread:.2f}× its fastest"
+          + (" (more than the goal's 20%: a busy spell; run it again on an idle machine)" if spread > 1.2 else ""))
 
 
 if __name__ == "__main__":

@@ -56,11 +56,9 @@ import torch.nn.functional as F
 from .comm import Comm, wire_bytes
 from .cost import step_time
 from .hardware import GPU, Link, matmul_rate
-from .job import Job
 from .kernel_times import head_operations, layer_operations, optimizer_operation
-from .mesh import Mesh
 from .model import build, loss_fn, preset
-from .runs.mesh import train_3d
+from .runs.mesh import train_3d, train_3d_job
 from .runtime.arguments import check_whole
 from .runtime.launch import launch
 from .runtime.workers import threads_per_rank
@@ -344,36 +342,33 @@ def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, betw
     return as_gpu(measured)
 
 
-LAYOUT_KEYWORDS = ("dp", "tp", "pp", "zero_stage", "num_microbatches")   # train_3d's; the rest change the model
-
-
 def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: int = 8, seq_len: int = 64,
                     steps: int = 8, rounds: int = 3) -> tuple[GPU, list[dict]]:
     """cost.step_time on this machine against its own live runs, which it never saw. ``runs``: a name -> train_3d's
-    keywords (a layout: LAYOUT_KEYWORDS; anything else changes the tiny model, e.g. hidden=640), fp32, gloo, no
-    overlap (the course's wrappers wait for each collective). Each run is measured after each calibration round
+    keywords (a layout: dp, tp, pp, zero_stage, num_microbatches, 1 unless given; anything else changes the tiny
+    model, e.g. hidden=640), each priced as the Job train_3d runs (runs.mesh.train_3d_job), in fp32 on gloo, with
+    no overlap (the course's wrappers wait for each collective). Each run is measured after each calibration round
     (the median of its steps after the first, on its slowest rank), so that a slow spell of a shared machine meets
     both; its figure is the median over rounds. Returns the calibrated machine and, per run, its "run",
-    "predicted_s", "measured_s" and "ratio" (predicted / measured)."""
+    "predicted_s", "measured_s", "ratio" (predicted / measured) and "measured_rounds_s" (each round's figure: how
+    steady the machine was)."""
+    runs = {name: {"num_microbatches": 1, **keywords} for name, keywords in runs.items()}
+    jobs = {name: train_3d_job(world_size, batch_size=batch_size, seq_len=seq_len, **keywords)
+            for name, keywords in runs.items()}                # every run's rules checked before anything starts
     measured = {name: [] for name in runs}
 
     def run_each():
         for name, keywords in runs.items():
             results = launch(train_3d, world_size, steps=steps, batch_size=batch_size, seq_len=seq_len,
-                             dtype=torch.float32, return_params=False, timeout=600,
-                             **{"num_microbatches": 1, **keywords})
+                             dtype=torch.float32, return_params=False, timeout=600, **keywords)
             measured[name].append(max(statistics.median(result["step_seconds"][1:]) for result in results))
     machine = calibrate(world_size, rounds=rounds, between=run_each)
     rows = []
-    for name, keywords in runs.items():
-        layout = {key: value for key, value in keywords.items() if key in LAYOUT_KEYWORDS}
-        mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
-        m = layout.get("num_microbatches", 1)
-        job = Job(preset("tiny", **{k: v for k, v in keywords.items() if k not in LAYOUT_KEYWORDS}), mesh,
-                  seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * m), num_microbatches=m,
-                  zero_stage=layout.get("zero_stage"), dtype="fp32", gpu=machine, gpus_per_node=world_size)
+    for name, job in jobs.items():
+        job = job.replace(dtype="fp32", gpu=machine, gpus_per_node=world_size)
         predicted, real = step_time(job).total_s, statistics.median(measured[name])
-        rows.append({"run": name, "predicted_s": predicted, "measured_s": real, "ratio": predicted / real})
+        rows.append({"run": name, "predicted_s": predicted, "measured_s": real, "ratio": predicted / real,
+                     "measured_rounds_s": tuple(measured[name])})
     return machine, rows
 
 

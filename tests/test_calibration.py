@@ -105,3 +105,35 @@ def test_each_collective_is_costed_on_its_own_measured_link():
 def test_no_round_of_calibration_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"rounds=0 must be a whole number >= 1"):
         calibration.calibrate(2, rounds=0)
+
+
+@pytest.mark.parametrize("run, rule", [(dict(tp=3), r"world_size 2 != dp 1 × tp 3"),
+                                       (dict(pp=2, num_layers=1), r"pp 2 stages > 1 layers")])
+def test_a_live_run_that_cannot_run_is_refused_before_the_calibration_starts(monkeypatch, run, rule):
+    monkeypatch.setattr(calibration, "calibrate", lambda *args, **kwargs: pytest.fail("the calibration started"))
+    with pytest.raises(ValueError, match=rule):
+        calibration.check_live_runs({"good": dict(dp=2), "bad": run})
+
+
+def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
+    """The run and its price take the same keywords and defaults (one micro-batch unless given): the Job priced
+    is train_3d's own, on the calibrated machine."""
+    launched, priced = [], []
+
+    def fake_launch(fn, world_size, **keywords):
+        launched.append(keywords)
+        return [{"step_seconds": [9.0, 0.5, 0.5]}] * world_size
+
+    def fake_calibrate(world_size, rounds, between):
+        between()
+        return GPUS["A100 80GB"]
+    monkeypatch.setattr(calibration, "launch", fake_launch)
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "step_time", lambda job: priced.append(job) or step_time(job))
+    _, rows = calibration.check_live_runs({"ZeRO-3": dict(dp=2, zero_stage=3), "PP": dict(pp=2, num_microbatches=4)},
+                                          batch_size=8, seq_len=32)
+    assert [run["num_microbatches"] for run in launched] == [1, 4]
+    assert [(job.mesh.dp, job.mesh.pp, job.zero_stage) for job in priced] == [(2, 1, 3), (1, 2, None)]
+    assert [(job.micro_batch_size, job.num_microbatches, job.seq_len) for job in priced] == [(4, 1, 32), (2, 4, 32)]
+    assert all(job.dtype == "fp32" and job.gpu is GPUS["A100 80GB"] and job.gpus_per_node == 2 for job in priced)
+    assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.5, (0.5,)), (0.5, (0.5,))]

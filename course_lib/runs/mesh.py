@@ -38,13 +38,10 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     stage only), its parameters (whole pieces, gathered under ZeRO-3), its measured state bytes, the bytes it
     sent on each axis in the last step (and how many ops), and each step's seconds. ``progress``: a tqdm bar on
     rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
-    mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
-    mesh.check(world_size)
-    config = preset("tiny", **overrides)
-    mesh.check_model(config, batch_size=batch_size, num_microbatches=num_microbatches, seq_len=seq_len)
-    job = Job(config, mesh, seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * num_microbatches),
-              num_microbatches=num_microbatches, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
-              num_chunks=num_chunks, schedule=schedule).check()
+    job = train_3d_job(world_size, dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, zero_stage=zero_stage,
+                       sequence_parallel=sequence_parallel, num_chunks=num_chunks, num_microbatches=num_microbatches,
+                       schedule=schedule, batch_size=batch_size, seq_len=seq_len, **overrides)
+    mesh, config = job.mesh, job.config
     where = mesh.coords(rank)
     comms = make_comms(mesh, rank)
 
@@ -84,6 +81,22 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
             "state_bytes": measure_state_bytes(held, optimizer),
             "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
             "ops": {axis: {op: t.count for op, t in log.summary().items()} for axis, log in logs.items()}}
+
+
+def train_3d_job(world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, dp_replicate: int = 1,
+                 zero_stage: int | None = None, sequence_parallel: bool = False, num_chunks: int = 1,
+                 num_microbatches: int = 2, schedule: str = "1f1b", batch_size: int = 8, seq_len: int = 16,
+                 **overrides) -> Job:
+    """The Job that train_3d runs with these keywords (its defaults; ``overrides`` change the tiny model), every
+    rule checked: the mesh against ``world_size``, then the model, then the layout. cost.step_time prices the
+    same Job (calibration.check_live_runs), so the prediction and the run cannot drift apart."""
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
+    mesh.check(world_size)
+    config = preset("tiny", **overrides)
+    mesh.check_model(config, batch_size=batch_size, num_microbatches=num_microbatches, seq_len=seq_len)
+    return Job(config, mesh, seq_len=seq_len, micro_batch_size=batch_size // (mesh.dp * num_microbatches),
+               num_microbatches=num_microbatches, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
+               num_chunks=num_chunks, schedule=schedule).check()
 
 
 def _named_parameters(stage, data_parallel, zero_stage) -> dict[str, torch.Tensor]:
