@@ -18,7 +18,10 @@ What the model leaves out, as measured on the course's 2-core machine on 2026-12
 inside the runs, not by this script): the ranks wait for each other at each collective (on a bare step side by
 side, the slower of two ranks averaged 3-16% above their mean), and a collective costs more inside a run than in
 the calibration's loop. A 15 MB gloo reduce-scatter took 17-18 ms after small matmuls that stay in the caches, 26 ms
-after a backward through 640 × 1,280 layers, and 20-72 ms inside the 10× wider ZeRO-3 run.
+after a backward through 640 × 1,280 layers, and 20-72 ms inside the 10× wider ZeRO-3 run. Two causes were ruled
+out on 2026-12-03: a 16 MB reduce-scatter or all-gather took the same into freshly allocated buffers as into reused
+ones (no page faults to blame), and the same after streaming 96 MB through memory as after small matmuls; the
+same call's mean moved by a quarter between two runs a minute apart (20 vs 29 ms), more than either.
 """
 
 import time
