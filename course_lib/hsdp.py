@@ -33,7 +33,7 @@ from .zero_bytes import wire_bytes_per_step
 def hsdp_wire_bytes_per_step(grad_bytes: int, dp_shard: int, dp_replicate: int,
                              accumulation_steps: int = 1) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by op (the module docstring): ZeRO-3's all-gathers and
-    reduce-scatters over the dp_shard ranks of its replica (zero.wire_bytes_per_step), and the all-reduce of
+    reduce-scatters over the dp_shard ranks of its replica (zero_bytes.wire_bytes_per_step), and the all-reduce of
     its 1/dp_shard of the gradients over the dp_replicate replicas."""
     ops = dict(wire_bytes_per_step(grad_bytes, 3, dp_shard, accumulation_steps))
     ops["all_reduce"] = wire_bytes("all_reduce", grad_bytes / dp_shard, dp_replicate)

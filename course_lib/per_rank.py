@@ -16,7 +16,7 @@ averaged over them ("dp_cp"). Two refinements, each one part of a rank's paramet
   gradients over the dp_replicate replicas (course_lib.hsdp).
 
 ``data_parallel_parts`` lists these parts as (parameters, shard group, replicas); every data-parallel formula
-here adds ledger.zero_state_bytes, zero.wire_bytes_per_step or hsdp.hsdp_wire_bytes_per_step over them.
+here adds ledger.zero_state_bytes, zero_bytes.wire_bytes_per_step or hsdp.hsdp_wire_bytes_per_step over them.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
     weights), group by group: [{"group", "size", "span", "ops"}]. "group" names the mesh's group ("dp_cp",
     "expert_dp"; HSDP: "dp_shard_cp" for ZeRO-3 inside the replica, "dp_replicate" for the all-reduce across);
     "span" is how many consecutive ranks the group reaches across (its link: inside a node when the span fits
-    one); "ops" maps each op to its bytes (zero.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step), gradients
+    one); "ops" maps each op to its bytes (zero_bytes.wire_bytes_per_step, hsdp.hsdp_wire_bytes_per_step), gradients
     of job.grad_bytes and gathered weights of job.bytes_per_element each. The job's micro-batches are the
     micro-steps of an optimizer step (ZeRO-2 and -3 reduce in each of them; ZeRO-3 gathers twice in each, or once
     without resharding after forward; without resharding after backward too, it gathers and reduces once a step)."""

@@ -26,7 +26,7 @@ it runs f's forward once more, on the kept inputs, and then its backward. Memory
 All run on torch.utils.checkpoint, non-reentrant (torch's recommended mode: it works with hooks, with inputs
 that need no gradient, and stops recomputing as soon as backward has every tensor it saved, so a last matmul
 whose output nobody saved, down_proj in a block or AV in the core, is not run again: tests/test_cost.py and
-tests/test_checkpointing.py count it). preserve_rng_state=False: the course model draws no random numbers
+tests/test_recompute.py count it). preserve_rng_state=False: the course model draws no random numbers
 (no dropout), and it lets the same code run on meta tensors (the virtual cluster).
 
 It composes with every technique because it wraps a block's own forward (or its attention's core), inside the

@@ -8,7 +8,7 @@
 Every run trains the same model (bf16 weights and gradients, MixedPrecisionAdam: the ledger's 2 + 2 + 12 bytes
 per parameter) on the same data. For each, the lab prints: the training state per rank, measured from tensor
 storage on every rank (the largest is shown) against ledger.zero_state_bytes; the bytes each rank sent per
-step, traced (ours) against zero.wire_bytes_per_step (stages 0, 1, 2: 2Ψ(N-1)/N; stage 3: 3Ψ(N-1)/N); the
+step, traced (ours) against zero_bytes.wire_bytes_per_step (stages 0, 1, 2: 2Ψ(N-1)/N; stage 3: 3Ψ(N-1)/N); the
 median step time (slowest rank); the last loss, averaged over ranks. It checks that the measured state equals
 the formula, and reports how far torch's runs end from ours at the same stage (on 2 ranks: bit-identical; on
 more, bf16 sums in another order: about one bf16 step, 2**-7 relative). Writes labs/results/zero.json and zero.png (the

@@ -159,7 +159,7 @@ def test_saved_activations_leaves_out_parameters_and_counts_storage_once():
 
 def test_full_recompute_keeps_layer_inputs_and_one_layer():
     """The peak: every layer's input, and one layer's rerun, which saves its own terms but its input (the
-    checkpoint already holds it; tests/test_checkpointing.py measures both)."""
+    checkpoint already holds it; tests/test_recompute.py measures both)."""
     config = preset("tiny")
     none = gpt_activation_bytes(config, 2, 16)
     full = gpt_activation_bytes(config, 2, 16, recompute="full")

@@ -3,7 +3,7 @@ sends exactly what the course's formulas say, for every kind of rank (first, mid
 
 Exact, not approximate: state (ledger.zero_state_bytes of per_rank.params_per_rank, when dp divides every ZeRO
 unit), saved activations (per_rank.activation_bytes_per_rank, rotary tables included: 4·s·(h_d/2)·4 bytes per
-layer, whole on every TP rank), bytes sent on each axis (per_rank.sent_bytes_per_rank, zero.wire_bytes_per_step).
+layer, whole on every TP rank), bytes sent on each axis (per_rank.sent_bytes_per_rank, zero_bytes.wire_bytes_per_step).
 The one approximation is ZeRO's padding: each unit is padded to a multiple of dp, so where dp does not divide
 it the run holds and sends up to dp - 1 parameters more per unit than the formulas, which count none
 (test_padding_is_the_only_gap bounds it). Sequence parallelism runs too; only its pipeline bytes are computed.

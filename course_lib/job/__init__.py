@@ -65,7 +65,7 @@ class Job:
                                           # reduced once a step (torch's pipelining with FSDP; course_lib.zero_bytes)
     sequence_parallel: bool = False       # Megatron's SP with TP
     vocab_parallel: bool = False          # embedding, head and loss split by vocabulary over TP
-    recompute: str = "none"               # none, selective, full. torchtitan: activation_checkpoint.mode
+    recompute: str = "none"               # none, selective, op, full. torchtitan: activation_checkpoint.mode
     schedule: str = "1f1b"                # 1f1b, gpipe, interleaved, zb-h1 (course_lib.schedules)
     num_chunks: int = 1                   # v model chunks per stage. Megatron: virtual pipeline stages
     data_parallel: bool = True            # False: no wrapper, gradients stay local (the virtual cluster, ep > 1)

@@ -114,7 +114,7 @@ def memory_explorer(model="Llama-2-7B", convention="mixed", batch_size=1, seq_le
 def zero_explorer(model="Llama-2-7B", zero_stage=1, ranks=8, convention="mixed", gpu="80 GiB (A100 80GB)"):
     """ZeRO stage × ranks × model → the training state each rank holds (weights, gradients, optimizer state,
     ledger.zero_state_bytes) for every stage, against a card, and the bytes each rank sends per step
-    (zero.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
+    (zero_bytes.wire_bytes_per_step, Ψ = the gradients' bytes). The chosen stage is drawn in full colour.
     Models: the memory explorer's, the source's round 7.1e9 and 70e9, and a custom Llama-shaped one.
     ``panel.memory`` and ``panel.wire``: stage name → bytes, as drawn."""
     configs = _explorer_configs()

@@ -107,7 +107,7 @@ def _rank_color(rank: int) -> str:
 
 def dropped_share(rows: list[dict], *, imbalance: float | None = None,
                   title: str = "assignments dropped as the capacity shrinks"):
-    """The share of the T·k assignments dropped at each capacity factor (``rows`` as experts.drops_by_capacity
+    """The share of the T·k assignments dropped at each capacity factor (``rows`` as feed_forward.drops_by_capacity
     returns them), beside what perfectly even routing would drop, max(0, 1 − factor); with ``imbalance`` (the
     busiest expert's load / the mean), a line where the factor reaches it: from there on nothing is dropped."""
     factors = [row["capacity_factor"] for row in rows]
