@@ -41,9 +41,9 @@ A save is never seen half done, and a checkpoint never loads into another model 
 course_lib/checkpoint_commit.py.
 
 Bytes per rank (float64 Adam: 8 bytes of weight + 16 of moments per parameter): 24 × the parameters the rank
-writes; over the ranks of one (stage, tp) place, 24 × (per_rank.params_per_rank − the TP-replicated ones on tp ranks
-other than 0): the ledger's weights + optimizer state, divided over dp, each parameter once. The whole checkpoint is
-24·P in every layout. (Each box is one torch.save record in the rank's file, a few hundred bytes of overhead each.)
+writes; over the ranks of one (stage, tp) place, 24 × (its parameters − the TP-replicated ones on tp ranks other
+than 0), per_rank.checkpoint_bytes: the ledger's weights + optimizer state, divided over dp, each parameter once.
+The whole checkpoint is 24·P in every layout. (Each box is one torch.save record in the rank's file, a few hundred bytes of overhead each.)
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ from .checkpoint_commit import (
     config_text,
     verify_checksums,
 )
-from .per_rank import layers_per_rank, params_per_rank
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -363,20 +362,6 @@ def written_bytes(path: str) -> dict[int, dict[str, int]]:
         rank = int(name.split("_")[2])
         out[rank] = {**entry, "file": os.path.getsize(os.path.join(path, name))}
     return dict(sorted(out.items()))
-
-
-def predicted_bytes(config, mesh, stage: int, tp_rank: int, bytes_per_param: int = 24) -> int:
-    """The tensor bytes the dp ranks of one (stage, tp) place write together: bytes_per_param × the parameters
-    of that piece (per_rank.params_per_rank), less the TP-replicated ones (norms; embedding and head, which apply_tp
-    leaves whole) on tp ranks other than 0, which tp rank 0 writes."""
-    params = params_per_rank(config, mesh, stage)
-    if mesh.tp > 1 and tp_rank > 0:
-        layers = layers_per_rank(config, mesh, stage)
-        replicated = 2 * config.hidden * layers
-        replicated += config.vocab_size * config.hidden if stage == 0 else 0
-        replicated += config.hidden + config.vocab_size * config.hidden if stage == mesh.pp - 1 else 0
-        params -= replicated
-    return bytes_per_param * params
 
 
 def latest(root: str) -> str | None:

@@ -8,7 +8,7 @@ old folder aside to ``<path>.replaced`` first and removes it after; if a crash f
 ``load`` and ``latest`` read ``<path>.replaced``, which is still whole. An asynchronous save commits the same way
 when its writes finish; one that never finishes is never committed, and the old checkpoint stays. A rank
 function that returns before its asynchronous save has finished is not allowed to lose it: the course's rank
-process waits for every unfinished save of the function (finish_saves) before it replies, and says so.
+process waits for every unfinished save of the function (runtime.unfinished) before it replies, and says so.
 
 Each committed checkpoint lists the SHA-256 of every file it holds (CHECKSUMS), written before the rename:
 ``load`` checks them first, and refuses a changed file by name. The saved ``train`` entries carry the model's
@@ -25,10 +25,9 @@ import os
 import shutil
 import threading
 
+from .runtime import unfinished
+
 PARTIAL, REPLACED, CHECKSUMS = ".partial", ".replaced", "checksums.json"
-# This process's asynchronous saves not yet waited for (PendingSave.result() takes one off): what finish_saves
-# waits for when a rank function returns (course_lib.runtime.rank_process).
-_UNFINISHED: set = set()
 
 
 def _sha256(path: str) -> str:
@@ -59,7 +58,7 @@ class PendingSave:
     def __init__(self, future, staging: str, path: str, commits: bool):
         self._future, self._staging, self.path = future, staging, path
         self._lock, self._committed = threading.Lock(), not commits
-        _UNFINISHED.add(self)
+        unfinished.add(self)                  # waited for when the rank function returns, if not before
         future.add_done_callback(self._commit_when_done)
 
     def _commit_when_done(self, future) -> None:
@@ -74,20 +73,11 @@ class PendingSave:
     def result(self, timeout: float | None = None):
         value = self._future.result(timeout)
         self._commit_when_done(self._future)
-        _UNFINISHED.discard(self)
+        unfinished.discard(self)
         return value
 
-
-def finish_saves() -> list[str]:
-    """Wait for every asynchronous save this process started and nobody waited for, commit each, and return
-    their paths (a save that failed raises its error here): called when a rank function returns, since the
-    world it wrote with may end next, and its writing thread with it."""
-    paths = []
-    while _UNFINISHED:
-        pending = _UNFINISHED.pop()
-        pending.result()
-        paths.append(pending.path)
-    return paths
+    def __str__(self) -> str:
+        return f"the asynchronous save of {self.path}"
 
 
 def commit(staging: str, path: str) -> None:

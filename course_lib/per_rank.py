@@ -85,6 +85,21 @@ def params_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1, vocab_p
     return count
 
 
+def checkpoint_bytes(config, mesh, stage: int, tp_rank: int, bytes_per_param: int = 24) -> int:
+    """The tensor bytes the dp ranks of one (stage, tp) place write together into a checkpoint (course_lib.checkpoint,
+    24 bytes a parameter in float64 Adam): bytes_per_param × the parameters of that piece (params_per_rank), less
+    the TP-replicated ones (norms; embedding and head, which apply_tp leaves whole) on tp ranks other than 0, which
+    tp rank 0 writes."""
+    params = params_per_rank(config, mesh, stage)
+    if mesh.tp > 1 and tp_rank > 0:
+        layers = layers_per_rank(config, mesh, stage)
+        replicated = 2 * config.hidden * layers
+        replicated += config.vocab_size * config.hidden if stage == 0 else 0
+        replicated += config.hidden + config.vocab_size * config.hidden if stage == mesh.pp - 1 else 0
+        params -= replicated
+    return bytes_per_param * params
+
+
 # ------------------------------------------------------------------------------ data parallelism, once
 
 def data_parallel_parts(config, mesh: Mesh, stage: int, num_chunks: int = 1,

@@ -26,7 +26,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_commit import finish_saves
+from . import unfinished
 from .tracebacks import PLUMBING_FILES, skip_plumbing_frames
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's code, not in the worker loop
@@ -90,9 +90,9 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
             fn, kwargs, sources = cloudpickle.loads(task)
             linecache.cache.update(sources)  # so tracebacks show the notebook cell's lines
             value = fn(rank, world_size, **kwargs)
-            for path in finish_saves():
-                print(f"rank {rank}: the asynchronous save of {path} had not finished when the function returned; "
-                      "waited for it (wait on save()'s result before returning)", file=sys.stderr)
+            for work in unfinished.finish():
+                print(f"rank {rank}: {work} had not finished when the function returned; waited for it (wait on "
+                      "its result() before returning)", file=sys.stderr)
             reply = _pickled_result(rank, value)
         except BaseException as exc:  # KeyboardInterrupt too: the notebook should hear about it
             _reply_error(conn, exc)

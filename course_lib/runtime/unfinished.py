@@ -1,0 +1,29 @@
+"""Work a rank function starts in the background and returns without waiting for (an asynchronous checkpoint
+save: course_lib.checkpoint_commit.PendingSave). The rank's loop (rank_process) finishes it when the function
+returns, before it replies: the world that work writes with may end next, and its thread with it. The runtime
+knows only that each piece has ``result()``, which waits for it, and says what it is when printed; the technique
+that starts one adds it here, and takes it off when someone waits for it."""
+
+from __future__ import annotations
+
+_UNFINISHED: set = set()          # this process's background work that nobody has waited for yet
+
+
+def add(work) -> None:
+    """Hold ``work`` until someone calls its result() (then ``discard`` it) or the rank function returns."""
+    _UNFINISHED.add(work)
+
+
+def discard(work) -> None:
+    _UNFINISHED.discard(work)
+
+
+def finish() -> list[str]:
+    """Wait for every piece of work nobody waited for (a piece that failed raises its error here) and return what
+    each was, to report."""
+    finished = []
+    while _UNFINISHED:
+        work = _UNFINISHED.pop()
+        work.result()
+        finished.append(str(work))
+    return finished
