@@ -43,7 +43,8 @@ course_lib/checkpoint_commit.py.
 Bytes per rank (float64 Adam: 8 bytes of weight + 16 of moments per parameter): 24 × the parameters the rank
 writes; over the ranks of one (stage, tp) place, 24 × (its parameters − the TP-replicated ones on tp ranks other
 than 0), per_rank.checkpoint_bytes: the ledger's weights + optimizer state, divided over dp, each parameter once.
-The whole checkpoint is 24·P in every layout. (Each box is one torch.save record in the rank's file, a few hundred bytes of overhead each.)
+The whole checkpoint is 24·P in every layout. (Each box is one torch.save record in the rank's file, a few hundred
+bytes of overhead each.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """course_lib.zero's ZeRO-3 without resharding after forward (reshard_after_forward=False, torch FSDP2's name):
 the same weights as one process and as resharding, one all-gather per unit and micro-step (traced bytes equal
 zero_bytes.wire_bytes_per_step), and the gathered weights it holds while a step runs
-(zero_bytes.transient_weight_bytes), measured to the byte with ZeroDataParallel's memory trace. Tolerances as tests/test_zero.py's (float64)."""
+(zero_bytes.transient_weight_bytes), measured to the byte with ZeroDataParallel's memory trace. Tolerances as
+tests/test_zero.py's (float64)."""
 
 import pytest
 import torch
