@@ -192,6 +192,10 @@ class Mesh:
         ``dp_replicate`` and ``dp_shard`` (HSDP) give dp = dp_replicate · dp_shard(degree) + dp_shard, if given."""
         if dp_replicate is not None or dp_shard is not None:
             dp = (dp_replicate or 0) * self.dp_shard + (dp_shard or 0)
+        for axis, value in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
+            size = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+                raise ValueError(f"{axis}={value!r}: a coordinate on an axis of {size} runs from 0 to {size - 1}")
         rank = ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
         if ep is not None and ep != self._place(rank)["ep"]:
             raise ValueError(f"ep {ep} does not fit dp {dp}, cp {cp}: that rank is number {dp * self.cp + cp} of "

@@ -141,9 +141,10 @@ def schedule_actions(schedule, num_stages: int, num_microbatches: int, num_chunk
         if sorted(acts) not in (both, with_w):
             raise ValueError(f"stage {s}: {actions[s]} must hold ('F', k) and ('B', k) exactly once for each "
                              f"micro-batch k in 0..{m - 1}{chunks} (and ('W', k) once for each, or never)")
-        if any(acts.index(("B", k, c)) < acts.index(("F", k, c)) for k in range(m) for c in range(v)):
+        at = {op: position for position, op in enumerate(acts)}    # each op once (checked above): linear in m
+        if any(at["B", k, c] < at["F", k, c] for k in range(m) for c in range(v)):
             raise ValueError(f"stage {s}: {actions[s]} runs a backward before the forward of its micro-batch")
-        if any(acts.index(("W", k, c)) < acts.index(("B", k, c)) for kind, k, c in acts if kind == "W"):
+        if any(at["W", k, c] < at["B", k, c] for kind, k, c in acts if kind == "W"):
             raise ValueError(f"stage {s}: {actions[s]} runs a W before the B of its micro-batch")
     # Messages between two ranks are matched in the order they are posted: what a sends to b, in a's order,
     # must be what b receives from a, in b's order.

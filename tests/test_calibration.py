@@ -115,6 +115,12 @@ def test_a_live_run_that_cannot_run_is_refused_before_the_calibration_starts(mon
         calibration.check_live_runs({"good": dict(dp=2), "bad": run})
 
 
+def test_live_runs_of_one_step_are_refused_before_the_calibration_starts(monkeypatch):
+    monkeypatch.setattr(calibration, "calibrate", lambda *args, **kwargs: pytest.fail("the calibration started"))
+    with pytest.raises(ValueError, match=r"steps=1 must be a whole number >= 2"):   # its only step is the warm-up
+        calibration.check_live_runs({"DDP": dict(dp=2)}, steps=1)
+
+
 def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
     """The run and its price take the same keywords and defaults (one micro-batch unless given): the Job priced
     is train_3d's own, on the calibrated machine."""

@@ -114,6 +114,9 @@ def test_fsdp_kept_across_micro_batches_gathers_and_reduces_once_a_step():
     (dict(num_microbatches=2**40), "num_microbatches=1099511627776 must be a whole number from 1 to 1,048,576"),
     (dict(convention="fp32", dtype="bf16"), "convention='fp32' keeps 4-byte weights, dtype='bf16' has 2"),
     (dict(gpu="H300"), "H300"),
+    (dict(zero_stage=3.0), "zero_stage=3.0: one of None (NaiveDDP), 0, 1, 2, 3"),
+    (dict(sequence_parallel="no"), "sequence_parallel='no' must be True or False"),    # a true string
+    (dict(reshard_after_forward=0), "reshard_after_forward=0 must be True or False"),
 ])
 def test_a_broken_rule_names_the_value(changes, rule):
     with pytest.raises(ValueError, match=None) as refused:

@@ -345,3 +345,21 @@ def test_parallelize_with_cp_and_tp_equals_one_process():
         assert len(result["grads"]) == 2 + 2 * 4               # embed, final norm, two norms per layer
         for name, grad in result["grads"].items():
             assert torch.allclose(grad, reference[name].grad, rtol=0, atol=1e-12), name
+
+
+@pytest.mark.parametrize("coords, rule", [(dict(tp=2), "tp=2: a coordinate on an axis of 2 runs from 0 to 1"),
+                                          (dict(dp=-1), "dp=-1: a coordinate on an axis of 2 runs from 0 to 1"),
+                                          (dict(pp=1.0), "pp=1.0: a coordinate on an axis of 1 runs from 0 to 0")])
+def test_a_coordinate_off_the_grid_is_refused_not_wrapped_to_another_rank(coords, rule):
+    with pytest.raises(ValueError) as refused:          # tp=2 on tp 2 would otherwise be rank 2: dp 1, tp 0
+        Mesh(dp=2, tp=2).rank_of(**coords)
+    assert rule in str(refused.value)
+
+
+@pytest.mark.parametrize("keywords, rule", [(dict(steps=0), "steps=0 must be a whole number >= 1"),
+                                            (dict(steps=2.5), "steps=2.5 must be a whole number >= 1"),
+                                            (dict(batch_size="8"), "batch_size='8' must be a whole number >= 1")])
+def test_train_3d_refuses_a_bad_run_length_or_batch_before_anything_starts(keywords, rule):
+    with pytest.raises(ValueError, match=None) as refused:     # no process group: refused before it is needed
+        train_3d(0, 1, **keywords)
+    assert rule in str(refused.value)

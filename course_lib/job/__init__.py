@@ -155,9 +155,14 @@ class Job:
                                          or not 1 <= self.seq_len <= self.config.max_seq_len):
             found.append(f"seq_len={self.seq_len!r} must be a whole number from 1 to the model's max_seq_len="
                          f"{self.config.max_seq_len}")
-        if self.zero_stage is not None and (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)):
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int)
+                                            or self.zero_stage not in ZERO_STAGES):
             found.append(f"zero_stage={self.zero_stage!r}: one of None (NaiveDDP), "
                          f"{', '.join(map(str, ZERO_STAGES))}")
+        for name in ("reshard_after_forward", "reshard_after_backward", "sequence_parallel", "vocab_parallel",
+                     "data_parallel", "fused_norm"):
+            if not isinstance(getattr(self, name), bool):     # "no" is a true string: it would switch it on
+                found.append(f"{name}={getattr(self, name)!r} must be True or False")
         choices = {"recompute": RECOMPUTE, "schedule": tuple(SCHEDULES), "dtype": tuple(DTYPES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

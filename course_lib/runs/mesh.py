@@ -21,6 +21,7 @@ from ..measure import measure_state_bytes
 from ..mesh import Mesh, make_comms
 from ..model import build, loss_fn, preset
 from ..parallelize import parallelize
+from ..runtime.arguments import check_whole
 from ..runtime.launch import device
 from ..tensor_parallel import dtensor_plan
 
@@ -38,6 +39,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     stage only), its parameters (whole pieces, gathered under ZeRO-3), its measured state bytes, the bytes it
     sent on each axis in the last step (and how many ops), and each step's seconds. ``progress``: a tqdm bar on
     rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
+    check_whole("steps", steps)
     job = train_3d_job(world_size, dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, zero_stage=zero_stage,
                        sequence_parallel=sequence_parallel, num_chunks=num_chunks, num_microbatches=num_microbatches,
                        schedule=schedule, batch_size=batch_size, seq_len=seq_len, **overrides)
@@ -90,6 +92,8 @@ def train_3d_job(world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: 
     """The Job that train_3d runs with these keywords (its defaults; ``overrides`` change the tiny model), every
     rule checked: the mesh against ``world_size``, then the model, then the layout. cost.step_time prices the
     same Job (calibration.check_live_runs), so the prediction and the run cannot drift apart."""
+    check_whole("world_size", world_size)
+    check_whole("batch_size", batch_size)
     mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
     mesh.check(world_size)
     config = preset("tiny", **overrides)
