@@ -328,7 +328,8 @@ def calibrate(world_size: int = 2, *, dtype=torch.float32, rounds: int = 5, betw
     work, the ranks' mean; each the median of ``rounds`` rounds, a few seconds each: this machine's figures move
     by half from one round to the next), as a hardware.GPU.
     ``between()``, if given, runs after each round: a benchmark's own runs, so that both meet the same machine."""
-    check_whole("rounds", rounds)                                     # before anything starts
+    check_whole("world_size", world_size)                             # before anything starts
+    check_whole("rounds", rounds)
     threads = threads_per_rank(world_size)                             # as each rank of the runs gets
     measurements = []
     for _ in range(rounds):

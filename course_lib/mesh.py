@@ -69,7 +69,7 @@ class Mesh:
     def __post_init__(self):
         for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate"):
             value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{axis}={value!r}: each degree of parallelism is a whole number of ranks, >= 1")
         if self.dp % self.dp_replicate:
             raise ValueError(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}: hybrid sharding "
@@ -104,6 +104,9 @@ class Mesh:
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                   dp_replicate: int = 1) -> Mesh:
         """The mesh that gives TP, PP and CP their degrees and data parallelism the rest: dp = world_size / (cp·tp·pp)."""
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
         others = cp * tp * pp
         if world_size % others:
             named = f"cp {cp} × " if cp > 1 else ""
@@ -134,8 +137,8 @@ class Mesh:
                                   if axis != "cp" or self.cp > 1])
 
     def check(self, world_size: int) -> None:
-        if world_size != self.size:
-            raise ValueError(f"world_size {world_size} != {self.factors()} = {self.size}: "
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size != self.size:
+            raise ValueError(f"world_size {world_size!r} != {self.factors()} = {self.size}: "
                              "every rank must sit at exactly one place on the grid")
 
     def check_sequence(self, seq_len: int) -> None:

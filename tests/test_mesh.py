@@ -358,8 +358,19 @@ def test_a_coordinate_off_the_grid_is_refused_not_wrapped_to_another_rank(coords
 
 @pytest.mark.parametrize("keywords, rule", [(dict(steps=0), "steps=0 must be a whole number >= 1"),
                                             (dict(steps=2.5), "steps=2.5 must be a whole number >= 1"),
-                                            (dict(batch_size="8"), "batch_size='8' must be a whole number >= 1")])
+                                            (dict(batch_size="8"), "batch_size='8' must be a whole number >= 1"),
+                                            (dict(dtype="bf16"), "dtype='bf16': a torch.dtype such as torch.float64")])
 def test_train_3d_refuses_a_bad_run_length_or_batch_before_anything_starts(keywords, rule):
     with pytest.raises(ValueError, match=None) as refused:     # no process group: refused before it is needed
         train_3d(0, 1, **keywords)
+    assert rule in str(refused.value)
+
+
+@pytest.mark.parametrize("call, rule", [(lambda: Mesh.for_world(8, tp=0), "tp=0 must be a whole number >= 1"),
+                                        (lambda: Mesh.for_world("8"), "world_size='8' must be a whole number >= 1"),
+                                        (lambda: Mesh(dp=True), "dp=True: each degree of parallelism"),
+                                        (lambda: Mesh().check("1"), "world_size '1' != dp 1")])
+def test_a_world_size_or_degree_that_is_no_whole_number_is_refused_by_name(call, rule):
+    with pytest.raises(ValueError) as refused:
+        call()
     assert rule in str(refused.value)

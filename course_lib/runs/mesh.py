@@ -40,6 +40,8 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     sent on each axis in the last step (and how many ops), and each step's seconds. ``progress``: a tqdm bar on
     rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
     check_whole("steps", steps)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}: a torch.dtype such as torch.float64, or None (the model's float32)")
     job = train_3d_job(world_size, dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, zero_stage=zero_stage,
                        sequence_parallel=sequence_parallel, num_chunks=num_chunks, num_microbatches=num_microbatches,
                        schedule=schedule, batch_size=batch_size, seq_len=seq_len, **overrides)
