@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .comm import Comm
 from .expert_parallel import check_ep_divisible
+from .runtime.arguments import check_whole
 from .tensor_parallel import check_tp_divisible
 
 AXES = ("pp", "dp", "cp", "tp")   # slowest to fastest: the order of the coordinates, and of Mesh.grid()'s dims
@@ -105,8 +106,7 @@ class Mesh:
                   dp_replicate: int = 1) -> Mesh:
         """The mesh that gives TP, PP and CP their degrees and data parallelism the rest: dp = world_size / (cp·tp·pp)."""
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+            check_whole(name, value)                     # before the division below
         others = cp * tp * pp
         if world_size % others:
             named = f"cp {cp} × " if cp > 1 else ""
