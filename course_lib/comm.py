@@ -37,6 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# torch 2.13 calls the one-tensor collectives all_gather_single and reduce_scatter_single (its older names,
+# all_gather_into_tensor and reduce_scatter_tensor, warn); a GPU box's own image may carry an older torch, which
+# has only the older names (2.11 on the H200 where labs/results/gpu-1x-nvidia-h200 was measured).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 WAIT = "c10d::wait"     # the profiler span of a blocking op's wait (Comm._finish; course_lib.traces reads it)
 
 RING_FACTOR = {  # bytes sent per rank / payload bytes, for a ring over p ranks
@@ -150,14 +155,14 @@ class Comm:
         """``output`` (n/p elements) gets this rank's chunk of the sum of every rank's ``input`` (n)."""
         _check_stacked("reduce_scatter", whole=input, part=output, size=self.size)
         start = time.perf_counter()
-        work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
+        work = _reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
         return self._finish("reduce_scatter", input.nbytes, start, work, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """``output`` (n elements) gets every rank's ``input`` (n/p), concatenated in rank order."""
         _check_stacked("all_gather", whole=output, part=input, size=self.size)
         start = time.perf_counter()
-        work = dist.all_gather_single(output, input, group=self.group, async_op=True)
+        work = _all_gather_single(output, input, group=self.group, async_op=True)
         return self._finish("all_gather", output.nbytes, start, work, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.nn as nn
@@ -134,8 +135,9 @@ class BucketedDDP(_DataParallel):
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)     # gradients ready in each bucket during this backward
         self._in_flight: list[tuple[torch.Tensor, object, dict | None]] = []   # (flat buffer, work, record)
+        hooks = weakref.proxy(self)   # held weakly: a strong one would keep a finished run's model alive (zero.py)
         for param in params:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
+            param.register_post_accumulate_grad_hook(lambda param: hooks._gradient_ready(param))
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
         """Called by autograd once ``param.grad`` holds this backward's (accumulated) gradient."""

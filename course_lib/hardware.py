@@ -52,15 +52,21 @@ H200_DATASHEET = ("NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-
 # a large GEMM reaches matmul_share of the peak; a dimension of x_half elements halves that (the tile edge of
 # cuBLAS's large Tensor Core kernels is 128 or 256: a dimension smaller than a tile leaves most of each tile, and
 # with it of each SM, idle), 4·x_half costs a fifth, 16·x_half 6%. The curve is a stated smoothing of published
-# benchmark figures (GEMM_SOURCES), not a measurement here: it ignores wave quantization (a last partial wave of
+# benchmark figures (GEMM_SOURCES), fitted to no measurement: it ignores wave quantization (a last partial wave of
 # tiles) and alignment, which make real curves saw-toothed by up to ~10% around it.
 MATMUL_HALF_DIM = 128
+# Measured on one H200 (labs/kernel_rates.py, labs/results/gpu-1x-nvidia-h200; tests/test_cost.py holds the
+# bands): the GEMMs of a training step (16k tokens × 2k-16k) ran 0.85-1.3 × this curve (8192³: 1.2, the share
+# sits low on purpose); small ones ran below it (128×4096×4096: 0.35, 1024³: 0.2), too few tiles for 132 SMs.
 # A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
 # A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
 HBM_SHARE = 0.85
+# On one H200 (as above) a copy streamed 0.97 and a residual add 1.03 × 0.85 × 4.8 TB/s; ops that do more than
+# stream ran slower: torch's RMSNorm 0.60 (compiled 0.66), SwiGLU's product 0.60 (compiled 0.80), fused Adam
+# 0.73, cross-entropy 0.35. The memory-bound rows of kernel_times are a lower bound on their time.
 # A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
 # this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
-KERNEL_LAUNCH_S = 5e-6
+KERNEL_LAUNCH_S = 5e-6   # an eager PyTorch op took 9-12 µs of host time on the H200 box measured here
 
 @dataclass(frozen=True)
 class Link:

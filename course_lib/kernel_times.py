@@ -68,6 +68,8 @@ ATTENTION = ("flash", "flash3", "triton", "unfused")
 #     an assumption), combined as 3.5 / (1/forward + 2.5/backward).
 # The bars were read from the figures to ~2%. Beyond 16k tokens the 16k value holds (the curves are flat there);
 # below 512 the 512 value. H200: the H100's (the same Tensor Cores and clock; these kernels are compute-bound).
+# Checked on one H200 (labs/kernel_rates.py; tests/test_cost.py): torch's flash backend ran 0.83-0.98 of the
+# H100 "flash" rows from 2k tokens on (0.63-0.72 at 512), cuDNN's fused attention 0.89-1.03 of the "flash3" ones.
 FLASH_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
 _FA3_FORWARD = {(True, 64): (197, 265, 371, 420, 460, 473), (True, 128): (292, 423, 521, 579, 602, 616),
                 (False, 64): (333, 392, 460, 476, 496, 497), (False, 128): (467, 565, 625, 638, 646, 648)}

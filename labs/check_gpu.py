@@ -1,20 +1,25 @@
 """Check a GPU box in one command: the machine, its collectives' bandwidth, and every lab, each checked.
 
     make gpu-check                                  # or: python labs/check_gpu.py
-    python labs/check_gpu.py --labs ddp zero        # only some labs
-    python labs/check_gpu.py --out /tmp/check       # results elsewhere (default: labs/results)
+    python labs/check_gpu.py --labs ddp zero        # only some labs (--no-kernels: without the kernel rates)
+    python labs/check_gpu.py --out /tmp/check       # results elsewhere (default: labs/results/gpu-<N>x-<GPU>)
 
 1. The machine: GPUs (name, memory), driver, torch, CUDA, NCCL, and how the GPUs are linked (nvidia-smi topo -m).
 2. Bus bandwidth of all-reduce, all-gather and reduce-scatter, as nccl-tests measure it, 1 MiB to 1 GiB over
    every GPU (one rank per GPU, NCCL): per size, the mean time of 20 back-to-back ops after 5 warm-up ones
    (the slowest rank's), algbw = bytes / time, busbw = algbw × the ring factor (course_lib/comm.py).
-3. Every lab, started by torchrun on as many GPUs as it can use (one rank per GPU), at a size that shows its
+3. Kernel rates (labs/kernel_rates.py, one process on GPU 0): matmul by shape, attention by backend, sequence
+   and head dim, memory-bound ops and a launch, measured beside the step-time model's constants for that GPU.
+4. Every lab, started by torchrun on as many GPUs as it can use (one rank per GPU), at a size that shows its
    effect and for a few steps, then checked from the JSON it wrote: against one process (parity), against the
    formula (bytes, bubbles, state), against torch's own (weights, and the step-time ratio, shown as info: a
    wall-clock figure is never a verdict). A lab that needs more GPUs than the box has is skipped, and says why.
 It prints one table (lab, what was checked, predicted, measured, verdict) and writes, into --out: each lab's
 JSON and PNG, check_gpu.json (everything above), bandwidth.png, summary.md (one page, naming the machine) and
-logs/<lab>.log (each lab's whole output). Exit status 1 when a check fails or a lab does not finish.
+logs/<lab>.log (each lab's whole output). Exit status 1 when a check fails or a lab does not finish. On a GPU
+box --out is labs/results/gpu-<N>x-<GPU name>/ unless given: commit that folder, and the notebooks show its
+results beside the learner's own (course_lib.presentation.lab_results); tests/test_gpu_check.py checks it with
+the checks of the day (labs/results/gpu-1x-nvidia-h200/: one H200, 2026-12-04).
 
 Without a GPU it says so in one line and runs the same checks as a CPU smoke run (gloo, 2 ranks, tiny sizes,
 labelled so everywhere), which is how CI exercises this script (tests/test_gpu_check.py): about 40 s on 2 cores.
@@ -25,6 +30,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -36,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from kernel_rates import table as kernel_table
 from lab_checks import Check, lab_checks, size
 
 from common import RESULTS, cpu_model
@@ -49,6 +56,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 GPU_SIZES = [2**k for k in range(20, 31, 2)]       # 1 MiB, 4 MiB, ..., 1 GiB: latency-bound to bandwidth-bound
 CPU_SIZES = [2**12, 2**16, 2**20]
 LAB_TIMEOUT = 180                                   # seconds; a lab that hangs is stopped and reported
+KERNELS = "kernel_rates"                            # one process on one device: no ranks, no backend
 
 
 @dataclass
@@ -64,8 +72,11 @@ class Lab:
 # the labs whose claim is parity stay below it, in fp32 (their tolerance is float32 rounding); the others grow to
 # where bytes and memory are large, in the labs' default precision on GPUs (bf16 autocast; ZeRO: bf16 weights).
 LABS = {
-    # replicas stay identical and equal one process (whose reference runs on rank 0's CPU: keep it small)
-    "training_step": Lab(1, "", lambda n: f"--hidden 128 --global-batch-size {4 * n} --seq-len 64 --steps 20 --dtype fp32",
+    # replicas stay identical and equal one process (whose reference runs on rank 0's CPU: keep it small). At the
+    # lab's default lr 1e-2 Adam grows float32 rounding into a different trajectory within 20 steps (a 7e-2 loss
+    # gap on one H200 against the CPU; fp32 against fp64 on the CPU alone, the same); at 1e-3 it stays < 1e-6
+    "training_step": Lab(1, "", lambda n: f"--hidden 128 --global-batch-size {4 * n} --seq-len 64 --steps 20 "
+                         "--lr 1e-3 --dtype fp32",
                          "--steps 5 --dtype fp32"),
     # 100M parameters, 400 MB of gradients a step: naive, bucketed and torch's DDP apart
     "ddp": Lab(1, "", lambda n: "--hidden 1024 --layers 8 --micro-batch-size 8 --seq-len 256 --bucket-mb 25 --steps 20",
@@ -106,6 +117,11 @@ def ranks_for(name: str, gpus: int) -> int:
     return gpus
 
 
+def gpu_folder(gpus: int, device_name: str) -> str:
+    """The folder a GPU box's results go in, named by its machine: "gpu-8x-nvidia-h100-80gb-hbm3"."""
+    return f"gpu-{gpus}x-" + re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
 def skip_reason(name: str, gpus: int) -> str | None:
     """Why a lab cannot run on ``gpus`` GPUs, or None when it can (always on CPU: gloo ranks)."""
     lab = LABS[name]
@@ -135,7 +151,8 @@ def describe_machine() -> dict:
     if gpus and shutil.which("nvidia-smi"):
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         machine["driver"] = subprocess.run(smi, capture_output=True, text=True).stdout.strip().splitlines()[0]
-        machine["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+        topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+        machine["topology"] = re.sub(r"\x1b\[[0-9;]*m", "", topology)    # its header is underlined for a terminal
     return machine
 
 
@@ -223,10 +240,13 @@ def run_lab(name: str, ranks: int, backend: str, flags: list, out: Path) -> tupl
     would type it), its exit status (None: stopped after LAB_TIMEOUT) and seconds. Its whole output goes to
     out/logs/<lab>.log."""
     script = os.path.relpath(LABS_DIR / f"{name}.py")
-    starter = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), script]
-    if not LABS[name].torchrun:
-        starter = ["python", script, "--world-size", str(ranks)]
-    command = [*starter, "--backend", backend, "--out", str(out), *flags]
+    if name == KERNELS:
+        command = ["python", script, "--out", str(out), *flags]
+    else:
+        starter = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), script]
+        if not LABS[name].torchrun:
+            starter = ["python", script, "--world-size", str(ranks)]
+        command = [*starter, "--backend", backend, "--out", str(out), *flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").unlink(missing_ok=True)        # a stale JSON must not pass for this run's
@@ -280,8 +300,9 @@ def not_measured(checks: list[Check]) -> list[str]:
     return [f"{what}: {', '.join(names)}: {why}" for (what, why), names in labs.items()]
 
 
-def summary(report: dict) -> str:
-    """One page of Markdown: what ran where, the bandwidth, and every check."""
+def summary(report: dict, kernel_rows: list | None = None) -> str:
+    """One page of Markdown: what ran where, the bandwidth, every check, and the kernel rates (``kernel_rows``,
+    labs/kernel_rates.py's rows) when they were measured."""
     machine, checks = report["machine"], [Check(**c) for c in report["checks"]]
     lines = [f"# {report['run']}: {machine['name']}", "",
              f"`python labs/check_gpu.py`, {report['date']}, {report['seconds']:.0f} s. torch {machine['torch']}, "
@@ -295,6 +316,9 @@ def summary(report: dict) -> str:
     if report["bandwidth"]:
         lines += ["", f"## Bus bandwidth, {report['bandwidth_ranks']} ranks (nccl-tests' busbw)", "", "```",
                   bandwidth_table(report["bandwidth"], report["bandwidth_ranks"]), "```", "", "![](bandwidth.png)"]
+    if kernel_rows:
+        lines += ["", "## Kernel rates beside the step-time model's constants (`labs/kernel_rates.py`)", "", "```",
+                  kernel_table(kernel_rows), "```", "", "![](kernel_rates.png)"]
     lines += ["", "## Labs", "", "| lab | ranks | precision | seconds | status |", "|---|---|---|---|---|"]
     lines += [f"| {lab['lab']} | {lab['ranks'] or '—'} | {lab['dtype'] or '—'} | {lab['seconds']:.0f} | {lab['status']} |"
               for lab in report["labs"]]
@@ -311,9 +335,15 @@ def summary(report: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--labs", nargs="+", choices=list(LABS), default=list(LABS), help="default: every lab")
-    parser.add_argument("--out", type=writable_folder, default=RESULTS, help="where the results go (a folder)")
+    parser.add_argument("--no-kernels", dest="kernels", action="store_false",
+                        help="leave out the kernel rates (labs/kernel_rates.py)")
+    parser.add_argument("--out", type=writable_folder,
+                        help="where the results go (a folder; default: on GPUs labs/results/gpu-<N>x-<GPU name>, "
+                             "committed with the course and shown by the notebooks; on a CPU labs/results)")
     args = parser.parse_args()
     start, gpus = time.perf_counter(), torch.cuda.device_count()
+    if args.out is None:
+        args.out = RESULTS / gpu_folder(gpus, torch.cuda.get_device_name(0)) if gpus else RESULTS
     run, backend = ("GPU check", "nccl") if gpus else ("CPU smoke run", "gloo")
     if not gpus:
         print("No GPU found (torch.cuda.device_count() is 0): running the same checks as a CPU smoke run "
@@ -337,18 +367,20 @@ def main():
         print("\n1 GPU: no link between GPUs to measure (busbw is 0 at 1 rank); bandwidth skipped")
 
     labs, checks = [], []
-    for i, name in enumerate(args.labs, 1):
-        lab, ranks, why = LABS[name], ranks_for(name, gpus), skip_reason(name, gpus)
+    names = ([KERNELS] if args.kernels else []) + args.labs
+    for i, name in enumerate(names, 1):
+        ranks, why = (1, None) if name == KERNELS else (ranks_for(name, gpus), skip_reason(name, gpus))
         if why:
-            print(f"[{i}/{len(args.labs)}] {name}: skipped: {why}")
+            print(f"[{i}/{len(names)}] {name}: skipped: {why}")
             labs.append({"lab": name, "ranks": 0, "dtype": None, "seconds": 0.0, "status": f"skipped: {why}",
                          "command": None})
-            checks.append(Check(name, "lab ran", f"{lab.min_ranks} GPUs", f"{gpus} GPUs", "skipped"))
+            checks.append(Check(name, "lab ran", f"{LABS[name].min_ranks} GPUs", f"{gpus} GPUs", "skipped"))
             continue
-        flags = lab.gpu_flags(ranks) if gpus else lab.cpu_flags
+        flags = "" if name == KERNELS else LABS[name].gpu_flags(ranks) if gpus else LABS[name].cpu_flags
         command, code, seconds = run_lab(name, ranks, backend, flags.split(), args.out)
         status = "ran" if code == 0 else f"stopped after {LAB_TIMEOUT} s" if code is None else f"failed (exit {code})"
-        print(f"[{i}/{len(args.labs)}] {name}: {ranks} ranks, {seconds:.1f} s, {status}: {' '.join(command)}")
+        print(f"[{i}/{len(names)}] {name}: {ranks} rank{'s' * (ranks > 1)}, {seconds:.1f} s, {status}: "
+              f"{' '.join(command)}")
         record = args.out / f"{name}.json"
         dtype = json.loads(record.read_text()).get("dtype") if code == 0 and record.exists() else None
         labs.append({"lab": name, "ranks": ranks, "dtype": dtype, "seconds": seconds, "status": status,
@@ -366,7 +398,10 @@ def main():
               "seconds": time.perf_counter() - start, "bandwidth_ranks": bandwidth_ranks, "bandwidth": bandwidth,
               "labs": labs, "checks": [asdict(c) for c in checks]}
     (args.out / "check_gpu.json").write_text(json.dumps(report, indent=1))
-    (args.out / "summary.md").write_text(summary(report))
+    kernels = args.out / f"{KERNELS}.json"
+    ran = any(lab["lab"] == KERNELS and lab["status"] == "ran" for lab in labs)
+    kernel_rows = json.loads(kernels.read_text())["rows"] if ran and kernels.exists() else None
+    (args.out / "summary.md").write_text(summary(report, kernel_rows))
     print("\n".join(["not measured:"] + not_measured(checks)))
     failed = [c for c in checks if c.verdict == "FAIL"]
     print(f"{len(failed)} of {len(checks)} checks failed; {report['seconds']:.0f} s; wrote {args.out / 'summary.md'}, "

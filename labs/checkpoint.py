@@ -119,7 +119,8 @@ def main(argv=None):
             parser.error(f"--global-batch-size {args.global_batch_size} does not split over {name}: it needs a "
                          f"multiple of {split} (dp {layout['dp']}" + (f" × {DEFAULTS['num_microbatches']} "
                          "micro-batches)" if layout["pp"] > 1 else ")"))
-    if not args.every <= args.kill_at < args.steps or not 0 <= args.kill_rank < args.world_size:
+    # --kill-at also names the checkpoint a --no-kill run resumes from; --kill-rank matters only with a kill
+    if not args.every <= args.kill_at < args.steps or not (args.no_kill or 0 <= args.kill_rank < args.world_size):
         parser.error(f"--kill-at {args.kill_at} must be a step inside {args.every}..{args.steps - 1} (after the first "
                      f"checkpoint, --every {args.every}) and --kill-rank {args.kill_rank} a rank of the {args.world_size}")
     if os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0" and not args.no_kill:

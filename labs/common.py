@@ -9,6 +9,7 @@ that course_lib.presentation.lab_results never shows a CPU run as a GPU result.
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
@@ -137,8 +138,10 @@ def autocast(dtype: str):
 
 
 def reset_peak_memory() -> None:
-    """Start counting this rank's peak GPU memory afresh (nothing to count on a CPU)."""
+    """Start counting this rank's peak GPU memory afresh (nothing to count on a CPU), after freeing what an earlier
+    run left in reference cycles (torch's fully_shard leaves its model to the garbage collector)."""
     if device().type == "cuda":
+        gc.collect()
         torch.cuda.reset_peak_memory_stats(device())
 
 

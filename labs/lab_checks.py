@@ -4,6 +4,7 @@ a wall-clock figure is shown as "info", never a verdict."""
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,16 +204,44 @@ def check_profiling(r: dict) -> list[tuple]:
     return checks
 
 
+def check_kernel_rates(r: dict) -> list[tuple]:
+    """Each attention backend against float64 (a verdict); the rates beside the model's constants (info: how far
+    a constant sits from this device is a finding about the model, not about the machine)."""
+    checks = []
+    for c in r["attention_checks"]:
+        what = f"attention {c['backend']} (out, dq, dk, dv) vs math in float64, max |Δ| / max |value|"
+        checks.append((what, f"≤ {c['bound']:g}", f"{c['max_relative_diff']:.1e}",
+                       verdict(c["max_relative_diff"] <= c["bound"])) if c["available"]
+                      else (what, "—", f"backend not available: {c['why'][:60]}", "n/a"))
+    kinds = dict.fromkeys(row["kind"] for row in r["rows"])
+    for kind in kinds:
+        rows = [row for row in r["rows"] if row["kind"] == kind]
+        unit = rows[0]["unit"]
+        if len(rows) > 1 and rows[0]["model"]:
+            ratios = sorted(row["measured"] / row["model"] for row in rows)
+            checks.append((f"{kind}: measured / model over {len(rows)} kernels, median (range)", "1",
+                           f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f})", "info"))
+        elif len(rows) > 1:
+            best = max(rows, key=lambda row: row["measured"])
+            checks.append((f"{kind}: fastest of {len(rows)} kernels ({best['name']})", "—",
+                           f"{best['measured']:.3g} {unit}", "info"))
+        else:
+            model = f"{rows[0]['model']:.3g} {unit}" if rows[0]["model"] else "—"
+            checks.append((f"{kind}: {rows[0]['name']}", model, f"{rows[0]['measured']:.3g} {unit}", "info"))
+    return checks
+
+
 CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
           "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
-          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint, "profiling": check_profiling}
+          "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint, "profiling": check_profiling,
+          "kernel_rates": check_kernel_rates}
 
 
 def lab_checks(name: str, out: Path) -> list[Check]:
     """The checks of one lab's JSON; one FAIL row if it cannot be read (a lab changed its format, say)."""
     try:
         record = json.loads((out / f"{name}.json").read_text())
-        rows = CHECKS[name](record) + [memory_check(record)]
+        rows = CHECKS[name](record) + ([memory_check(record)] if name != "kernel_rates" else [])   # no state
     except Exception as error:      # any error here is this lab's failed check, reported as such
         rows = [("results readable", f"{name}.json", f"{type(error).__name__}: {error}", "FAIL")]
     return [Check(name, *row) for row in rows]

@@ -2,6 +2,8 @@
 formulas it must equal, the 6ND rule beside it, every term of step_time by hand, the roofline, and the model's
 MFU against published training runs."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,14 +11,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import costed
+from conftest import REPO, costed
 from course_lib.cost import (
     flops_per_step,
     forward_terms,
     roofline,
     six_nd,
 )
-from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu
+from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu, matmul_rate
+from course_lib.kernel_times import attention_rate
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
 from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
@@ -444,3 +447,42 @@ def test_a_tiny_model_is_launch_bound():
     step = costed(preset("tiny"), Mesh(), gpu="A100 80GB", seq_len=64, micro_batch_size=8, num_microbatches=1)
     assert all(op.bound == "launch" for op in step.operations)
     assert step.mfu < 0.01
+
+
+H200_KERNELS = REPO / "labs" / "results" / "gpu-1x-nvidia-h200" / "kernel_rates.json"
+
+
+def test_the_kernel_constants_hold_where_one_h200_measured_them():
+    """labs/kernel_rates.py on one H200 (make gpu-check, 2026-12-04): each rate it measured beside the model's
+    constant for it, the constant evaluated now. Where the model is meant to hold (the GEMMs of a training step, the
+    fused attention kernels from 2k tokens on, streaming copies) it holds within the bands below; where it is known
+    to overstate (a GEMM too small to fill 132 SMs, torch's eager norm and loss, fused Adam), the test says by how
+    much, so that the model's docstrings cannot claim more than the GPU showed."""
+    record = json.loads(H200_KERNELS.read_text())
+    gpu = GPUS["H200 SXM"]
+    assert record["device_name"] == "NVIDIA H200" and record["model_gpu"] == gpu.name
+    ratios = {}
+    for row in record["rows"]:
+        if row["kind"] == "matmul":
+            model = matmul_rate(gpu, *row["shape"]) / 1e12
+        elif row["kind"] in ("attention flash", "attention cudnn"):
+            model = attention_rate(gpu, row["model_kernel"], row["seq_len"], row["head_dim"], row["causal"]) / 1e12
+        elif row["kind"] == "memory-bound":
+            model = gpu.hbm_share * gpu.hbm_bytes_per_s / 1e9
+        else:
+            continue
+        ratios[row["name"]] = row["measured"] / model
+    step_gemms = [r for name, r in ratios.items() if name.startswith("matmul 16384×") and "128" not in name
+                  and "768" not in name] + [ratios[f"matmul {n}×{n}×{n}"] for n in (4096, 8192, 16384)]
+    assert len(step_gemms) == 10 and 0.85 <= min(step_gemms) and max(step_gemms) <= 1.3
+    flash = [ratios[f"flash {mask} s={s} hd={hd}"] for mask in ("causal", "full") for s in (2048, 8192, 16384)
+             for hd in (64, 128)]                          # torch's flash backend against FlashAttention-2's figures
+    cudnn = [ratios[f"cudnn {mask} s={s} hd={hd}"] for mask in ("causal", "full") for s in (2048, 8192, 16384)
+             for hd in (64, 128)]                          # cuDNN's fused attention against FlashAttention-3's
+    assert 0.8 <= min(flash) and max(flash) <= 1.05 and 0.85 <= min(cudnn) and max(cudnn) <= 1.1
+    assert 0.9 <= ratios["copy"] <= 1.1 and 0.9 <= ratios["residual add"] <= 1.1   # hbm_share × the datasheet
+    # where the model overstates: small GEMMs, short sequences, memory-bound ops that are more than a stream
+    assert ratios["matmul 128×4096×4096"] < 0.5 and ratios["matmul 1024×1024×1024"] < 0.3
+    assert max(ratios[f"flash {mask} s=512 hd={hd}"] for mask in ("causal", "full") for hd in (64, 128)) < 0.8
+    assert ratios["cross-entropy forward + backward"] < 0.5
+    assert max(ratios[name] for name in ratios if name.startswith(("RMSNorm", "SwiGLU", "Adam"))) < 0.85

@@ -38,11 +38,12 @@ def test_the_cpu_smoke_run_passes_every_check_of_every_lab(smoke):
     assert done.stdout.startswith("No GPU found"), done.stdout[:300]
     report = json.loads((out / "check_gpu.json").read_text())
     assert report["run"] == "CPU smoke run" and report["machine"]["gpus"] == []
-    assert [(lab["lab"], lab["ranks"], lab["status"]) for lab in report["labs"]] == [
+    assert [(lab["lab"], lab["ranks"], lab["status"]) for lab in report["labs"]] == [("kernel_rates", 1, "ran")] + [
         (name, 4 if name == "parallel_3d" else 2, "ran") for name in check_gpu.LABS]
     checks = [check_gpu.Check(**c) for c in report["checks"]]
     assert {c.verdict for c in checks} <= {"ok", "info", "n/a"}, check_gpu.checks_table(checks)
-    assert {c.lab for c in checks if c.verdict == "ok"} == set(check_gpu.LABS)   # every lab checked something
+    # every lab checked something (the kernel rates: torch's CPU flash attention against float64)
+    assert {c.lab for c in checks if c.verdict == "ok"} == {"kernel_rates", *check_gpu.LABS}
     by_name = {(c.lab, c.what): c for c in checks}
     replicas = by_name["training_step", "replicas identical after training, max |Δw|"]
     assert (replicas.predicted, replicas.measured) == ("0", "0.0e+00")
@@ -74,9 +75,11 @@ def test_the_table_summary_and_files_say_cpu_smoke_run(smoke):
     assert "| training_step | replicas identical after training, max \\|Δw\\| | 0 | 0.0e+00 | ok |" in summary
     assert ("- peak CUDA memory per rank ≥ ledger's state: training_step, ddp, zero, tensor_parallel, "
             "pipeline_parallel, parallel_3d: not measured on a CPU (no CUDA allocator)\n") in summary
-    for name in check_gpu.LABS:
+    assert "## Kernel rates beside the step-time model's constants" in summary and "matmul 256×256×256" in summary
+    for name in ["kernel_rates", *check_gpu.LABS]:
         assert (out / f"{name}.json").exists() and (out / f"{name}.png").exists()
-        started = "torchrun --standalone --nproc-per-node " if check_gpu.LABS[name].torchrun else "python labs/"
+        started = "torchrun --standalone --nproc-per-node " if check_gpu.LABS.get(name, check_gpu.Lab(
+            1, "", None, "", torchrun=False)).torchrun else "python labs/"
         assert (out / "logs" / f"{name}.log").read_text().startswith(started)   # profiling starts its own ranks
     assert (out / "bandwidth.png").stat().st_size > 10_000
 
@@ -177,10 +180,14 @@ class Launched(Exception):
     """Raised instead of starting ranks: the lab got that far."""
 
 
+@pytest.mark.parametrize("gpus", [1, 8])
 @pytest.mark.parametrize("name", list(check_gpu.LABS))
-def test_every_labs_gpu_flags_pass_its_own_checks_on_8_gpus(name, monkeypatch):
-    """No GPU here, so no rank starts: each lab parses the flags check_gpu gives it on an 8-GPU box and runs its
-    checks up to launch (a 3-D grid that does not divide the model or the batch stops before that)."""
+def test_every_labs_gpu_flags_pass_its_own_checks_on_1_and_8_gpus(name, gpus, monkeypatch):
+    """No GPU here, so no rank starts: each lab parses the flags check_gpu gives it on a box of 1 or 8 GPUs and
+    runs its checks up to launch (a 3-D grid that does not divide the model or the batch stops before that; on one
+    H200 the checkpoint lab once refused its default --kill-rank 1 though --no-kill kills nobody)."""
+    if check_gpu.skip_reason(name, gpus):
+        pytest.skip(check_gpu.skip_reason(name, gpus))
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     spec = importlib.util.spec_from_file_location(f"lab_{name}", REPO / "labs" / f"{name}.py")
@@ -191,8 +198,54 @@ def test_every_labs_gpu_flags_pass_its_own_checks_on_8_gpus(name, monkeypatch):
         raise Launched(world_size)
 
     monkeypatch.setattr(lab, "launch", launch)
-    ranks = check_gpu.ranks_for(name, 8)
+    ranks = check_gpu.ranks_for(name, gpus)
     with pytest.raises(Launched) as launched:
         lab.main(["--world-size", str(ranks), "--backend", "gloo", *check_gpu.LABS[name].gpu_flags(ranks).split()])
-    assert launched.value.args == (8,)
+    assert launched.value.args == (ranks,)
 
+
+
+def test_kernel_rates_take_the_catalogue_gpu_of_the_device_name():
+    import kernel_rates
+
+    names = {name: kernel_rates.catalogue_gpu(name) for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3",
+             "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "Tesla V100")}
+    assert {name: gpu and gpu.name for name, gpu in names.items()} == {
+        "NVIDIA H200": "H200 SXM 141GB", "NVIDIA H100 80GB HBM3": "H100 SXM 80GB",
+        "NVIDIA A100-SXM4-40GB": "A100 40GB (SXM)", "NVIDIA A100-SXM4-80GB": "A100 80GB (SXM)",
+        "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None, "Tesla V100": None}    # other clocks and bandwidths
+    assert check_gpu.gpu_folder(8, "NVIDIA H100 80GB HBM3") == "gpu-8x-nvidia-h100-80gb-hbm3"
+    assert check_gpu.gpu_folder(1, "NVIDIA H200") == H200.name              # where the committed results lie
+
+
+@on_cpu_only
+@pytest.mark.ranks
+def test_a_wrong_attention_kernel_fails_and_rates_beside_a_model_show_their_ratios(smoke, tmp_path):
+    record = json.loads((smoke[0] / "kernel_rates.json").read_text())
+    kinds = [row["kind"] for row in record["rows"]]
+    assert {"matmul", "attention flash", "memory-bound", "launch"} <= set(kinds)
+    assert all(row["measured"] > 0 and row["model"] is None for row in record["rows"])    # a CPU: no constants
+    flash = "attention flash (out, dq, dk, dv) vs math in float64, max |Δ| / max |value|"
+    assert _checks_of("kernel_rates", record, tmp_path)[flash] == "ok"
+    record["attention_checks"][0]["max_relative_diff"] = 0.5              # a kernel that computes something else
+    assert _checks_of("kernel_rates", record, tmp_path)[flash] == "FAIL"
+    for row, model in zip((r for r in record["rows"] if r["kind"] == "matmul"), (1.0, 2.0, 4.0, 8.0)):
+        row["measured"], row["model"] = 1.0, model                            # ratios 1, 1/2, 1/4, 1/8
+    (tmp_path / "kernel_rates.json").write_text(json.dumps(record))
+    rows = {c.what: c for c in check_gpu.lab_checks("kernel_rates", tmp_path)}
+    ratios = rows["matmul: measured / model over 4 kernels, median (range)"]
+    assert (ratios.measured, ratios.verdict) == ("0.38 (0.12–1.00)", "info")
+
+
+H200 = REPO / "labs" / "results" / "gpu-1x-nvidia-h200"
+
+
+def test_the_committed_h200_results_name_their_machine_and_pass_todays_checks():
+    report = json.loads((H200 / "check_gpu.json").read_text())
+    assert report["run"] == "GPU check" and report["machine"]["name"] == "1 × NVIDIA H200 (140 GiB)"
+    ran = [lab["lab"] for lab in report["labs"] if lab["status"] == "ran"]
+    assert ran == ["kernel_rates", "training_step", "ddp", "zero", "checkpoint"]     # the others need 2 or 4 GPUs
+    for name in ran:                              # the checks as they are now, on what the GPU wrote then
+        checks = check_gpu.lab_checks(name, H200)
+        assert {c.verdict for c in checks} <= {"ok", "info", "n/a"}, check_gpu.checks_table(checks)
+    assert (H200 / "summary.md").read_text().startswith("# GPU check: 1 × NVIDIA H200 (140 GiB)\n")

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import REPO
-from course_lib.presentation.lab_results import LABS, describe
+from course_lib.presentation.lab_results import LABS, RESULTS, describe
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -51,6 +51,26 @@ def test_a_file_that_does_not_say_cuda_is_never_a_gpu_result(tmp_path):
     text = describe("ddp", tmp_path)
     assert text.startswith("CPU smoke run") and "GPU results" not in text
     assert text.splitlines()[-1] == "  (this file is from an older version of the lab: run it again for its numbers)"
+
+
+def test_results_are_read_from_the_repositorys_labs_results():
+    assert RESULTS == REPO / "labs" / "results"     # it once pointed inside course_lib/: nothing was ever shown
+
+
+def test_committed_gpu_results_follow_the_learners_own_run_and_only_cuda_ones(tmp_path):
+    write(tmp_path, "training_step", **TRAINING_STEP, backend="gloo", device="cpu", machine="AMD EPYC 7B13 (2 cores)",
+          dtype="fp32")
+    for folder, device, machine in (("gpu-8x-h100", "cuda", "8 × NVIDIA H100 80GB HBM3"), ("gpu-oops", "cpu", "a laptop")):
+        (tmp_path / folder).mkdir()
+        write(tmp_path / folder, "training_step", **TRAINING_STEP, backend="nccl", device=device, machine=machine,
+              dtype="bf16", date="2027-01-05")
+    (tmp_path / "gpu-8x-h100" / "training_step.png").write_bytes(b"")
+    lines = describe("training_step", tmp_path).splitlines()
+    assert lines[0].startswith("CPU smoke run (gloo, tiny sizes) on AMD EPYC 7B13 (2 cores)")
+    assert lines[2:] == ["", "committed with the course, `make gpu-check` (labs/results/gpu-8x-h100): GPU results from "
+                         "8 × NVIDIA H100 80GB HBM3 (nccl, bf16, 2 ranks, 2027-01-05):",
+                         "  2 ranks, 164,416 parameters: loss 4.8759 → 4.3939, replica spread 0.0e+00",
+                         "  figure: labs/results/gpu-8x-h100/training_step.png"]
 
 
 def test_an_unknown_lab_is_refused_with_the_names():

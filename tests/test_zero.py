@@ -321,3 +321,34 @@ def test_torchs_fully_shard_gathers_every_weight_twice_and_reduce_scatters_every
     for records in launch(fully_shard_traffic, 2, batch_size=4, seq_len=16, timeout=60):
         payload = {op: sum(n for o, n in records if o == op) for op in ("all_gather", "reduce_scatter")}
         assert payload == {"all_gather": 2 * 4 * P, "reduce_scatter": 4 * P}    # float32: forward and backward
+
+
+def _freed_after_training(rank, world_size):
+    """Whether a wrapper's model is freed as soon as the wrapper is dropped (no garbage collection run)."""
+    import gc
+    import weakref
+
+    from course_lib.ddp import BucketedDDP
+
+    gc.disable()                                  # reference counting alone must free it
+    try:
+        freed = {}
+        data = SyntheticTokens(TINY.vocab_size, 16, seed=0)
+        for name in ("zero 0", "zero 3", "bucketed ddp"):
+            module = build(TINY, seed=0)
+            model = (BucketedDDP(module, Comm(), bucket_bytes=2**14) if name == "bucketed ddp" else
+                     ZeroDataParallel(module, Comm(), zero_stage=int(name[-1]), optimizer_class=torch.optim.SGD, lr=0.1))
+            inputs, targets = data.rank_batch(0, 2 * world_size, rank, world_size)
+            loss_fn(model(inputs), targets).backward()
+            alive = weakref.ref(module)
+            del model, module
+            freed[name] = alive() is None
+        return freed
+    finally:
+        gc.enable()
+
+
+def test_a_finished_runs_model_is_freed_with_its_wrapper():
+    """The gradient hooks hold the wrapper weakly: a strong reference made a cycle through autograd's C++ objects
+    that no collector frees, and on one H200 each run of labs/zero.py kept the one before it (1.5 GiB each)."""
+    assert launch(_freed_after_training, 2) == [{"zero 0": True, "zero 3": True, "bucketed ddp": True}] * 2

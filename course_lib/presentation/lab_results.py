@@ -10,6 +10,10 @@ the machine it ran on (labs/common.py). ``describe`` reads that file and labels 
   box would show and how to get it (``make gpu-check``);
 * no file: **no lab results yet**, and the commands that make one.
 
+Below that come the GPU results committed with the course: ``make gpu-check`` run on a GPU box writes into
+``labs/results/gpu-<machine>/`` (labs/check_gpu.py --out), and each such folder that holds this lab, run on
+"cuda", is shown the same way, under its folder's name. A learner's own run never overwrites them.
+
 Notebook cells never read ``labs/results/`` themselves (tests/test_lab_results.py checks every notebook), so
 no cell can present a CPU run as a GPU result.
 """
@@ -20,7 +24,8 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-RESULTS = Path(__file__).resolve().parent.parent / "labs" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "labs" / "results"     # the repository's labs/results
+GPU_FOLDERS = "gpu-*"       # labs/results/gpu-<machine>/: a GPU box's make gpu-check, committed
 GPU_CHECK = "make gpu-check"
 
 
@@ -72,24 +77,39 @@ def label(name: str, record: dict | None) -> str:
     machine = record.get("machine") or "an unrecorded machine (an older lab wrote this file: run it again)"
     if record.get("device") == "cuda":
         return (f"GPU results from {machine} ({record.get('backend')}, {record.get('dtype')}, "
-                f"{record.get('world_size')} ranks, {record.get('date', 'undated')}):")
+                f"{ranks(record.get('world_size'))}, {record.get('date', 'undated')}):")
     return (f"CPU smoke run ({record.get('backend', 'gloo')}, tiny sizes) on {machine}: a GPU box would show "
             f"{lab.on_gpus}; get it with `{GPU_CHECK}`.")
 
 
 def describe(name: str, folder: Path = RESULTS) -> str:
-    """Lab ``name``'s last results as text: label(...) and then a few lines of its numbers."""
+    """Lab ``name``'s last results in ``folder`` as text: label(...) and then a few lines of its numbers; then
+    those of every GPU run committed in ``folder``/gpu-*/ (module docstring)."""
     record = load(name, folder)
-    lines = [label(name, record)]
-    if record is not None:
-        try:
-            lines += SUMMARIES[name](record) + _memory_lines(record)
-        except (KeyError, TypeError):
-            lines.append("  (this file is from an older version of the lab: run it again for its numbers)")
-        figure = Path(folder) / f"{name}.png"
-        if figure.exists():
-            lines.append(f"  figure: labs/results/{figure.name}")
+    lines = [label(name, record)] + (_numbers(name, record, Path(folder), "labs/results") if record else [])
+    for committed in sorted(Path(folder).glob(GPU_FOLDERS)):
+        gpu_record = load(name, committed)
+        if gpu_record is not None and gpu_record.get("device") == "cuda":
+            where = f"labs/results/{committed.name}"
+            lines += ["", f"committed with the course, `make gpu-check` ({where}): {label(name, gpu_record)}"]
+            lines += _numbers(name, gpu_record, committed, where)
     return "\n".join(lines)
+
+
+def _numbers(name: str, record: dict, folder: Path, where: str) -> list[str]:
+    """A few lines of a record's numbers, and its figure's path as the reader would type it."""
+    try:
+        lines = SUMMARIES[name](record) + _memory_lines(record)
+    except (KeyError, TypeError):
+        lines = ["  (this file is from an older version of the lab: run it again for its numbers)"]
+    if (folder / f"{name}.png").exists():
+        lines.append(f"  figure: {where}/{name}.png")
+    return lines
+
+
+def ranks(count) -> str:
+    """"1 rank", "8 ranks"."""
+    return f"{count} rank{'' if count == 1 else 's'}"
 
 
 def _memory_lines(record: dict) -> list[str]:
@@ -106,12 +126,12 @@ def _memory_lines(record: dict) -> list[str]:
 
 def _training_step(r: dict) -> list[str]:
     losses = r["losses"]
-    return [f"  {r['world_size']} ranks, {r['params']:,} parameters: loss {losses[0]:.4f} → {losses[-1]:.4f}, "
+    return [f"  {ranks(r['world_size'])}, {r['params']:,} parameters: loss {losses[0]:.4f} → {losses[-1]:.4f}, "
             f"replica spread {r['replica_spread']:.1e}"]
 
 
 def _ddp(r: dict) -> list[str]:
-    lines = [f"  {r['world_size']} ranks, {r['params']:,} parameters, {r['bucket_mb']} MiB buckets"]
+    lines = [f"  {ranks(r['world_size'])}, {r['params']:,} parameters, {r['bucket_mb']} MiB buckets"]
     for row in r["rows"]:
         lines.append(f"  {row['kind']:>9}: step {row['step_ms']:7.2f} ms = compute {row['compute_ms']:7.2f} + exposed "
                      f"communication {row['exposed_ms']:6.2f} + optimizer {row['optimizer_ms']:5.2f}; "
@@ -120,7 +140,7 @@ def _ddp(r: dict) -> list[str]:
 
 
 def _zero(r: dict) -> list[str]:
-    lines = [f"  {r['world_size']} ranks, {r['params']:,} parameters:"]
+    lines = [f"  {ranks(r['world_size'])}, {r['params']:,} parameters:"]
     for key, run in r["runs"].items():
         largest = max(state["total"] for state in run["state_per_rank"])
         lines.append(f"  {key:>18}: {largest / 2**20:9.3f} MiB of state per rank (formula "

@@ -116,11 +116,12 @@ class Trainer:
         return train
 
     def pieces(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by name (TP pieces; stage 3 gathers each unit's weights for the copy)."""
+        """This rank's parameters by name (TP pieces; stage 3 gathers each unit's weights for the copy), copied to
+        the CPU: they leave the rank, and are compared with one process's weights on the CPU."""
         if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.gather(unit.shard, self.dp.comm)
-        out = {n: p.detach().clone() for n, p in self.dp.module.named_parameters()}
+        out = {n: p.detach().cpu().clone() for n, p in self.dp.module.named_parameters()}
         if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.free()
