@@ -63,7 +63,7 @@ MATMUL_HALF_DIM = 128
 HBM_SHARE = 0.85
 # On one H200 (as above) a copy streamed 0.97 and a residual add 1.03 × 0.85 × 4.8 TB/s; ops that do more than
 # stream ran slower: torch's RMSNorm 0.60 (compiled 0.66), SwiGLU's product 0.60 (compiled 0.80), fused Adam
-# 0.73, cross-entropy 0.35. The memory-bound rows of kernel_times are a lower bound on their time.
+# 0.73, cross-entropy 0.35: kernel_times.STREAM_SHARE times each of those ops at its own share.
 # A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
 # this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
 KERNEL_LAUNCH_S = 5e-6   # an eager PyTorch op took 9-12 µs of host time on the H200 box measured here

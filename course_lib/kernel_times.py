@@ -22,6 +22,9 @@ sequence parallelism, 1 without: each TP rank repeats them on the whole activati
     loss                  3·V·e/t_V                   softmax cross-entropy over the logits, t_V = t if the head
                                                       is vocab-parallel; the head's GEMM itself is a matmul row
 
+Each streams its bytes at its own share of a plain copy's rate, as one H200 measured it (STREAM_SHARE: a norm
+0.66, SwiGLU's product 0.80, the loss 0.35, Adam's step 0.73, a residual add 1).
+
 A machine that runs the course's own model op by op (GPU.eager_elementwise: this CPU, calibrated) has no fused
 kernels: there these rows, and the final norm and the loss, are the ops model.py dispatches, each reading its
 inputs and writing its output, as course_lib.eager_traffic counts them (the tiny model's layer, 8 × 64 tokens in
@@ -146,10 +149,24 @@ class Operation:
                        kernels=round(n * self.kernels))
 
 
-def timed(name: str, gpu: GPU, flops: float, nbytes: float, *, rate: float, kernels: int = 1) -> Operation:
+# A memory-bound kernel that does more than stream runs below a copy's rate (hbm_share × bandwidth). Its share of
+# that rate, measured on one H200 (labs/kernel_rates.py, labs/results/gpu-1x-nvidia-h200; tests/test_cost.py):
+# a residual add 1.03 (taken as 1), RMSNorm as torch.compile fuses it 0.66, SwiGLU's product fused 0.80,
+# cross-entropy over the logits 0.35 (torch's), Adam's fused step 0.73. Rotary is taken as SwiGLU's product (a
+# fused elementwise product of the same kind; not measured), Megatron's fused softmax as a copy (not measured).
+# The frameworks fuse these ops as torch.compile does (Megatron-LM's and Apex's kernels); that the H200's shares
+# hold on an A100 or H100, where the same kernels are memory-bound the same way, is an assumption. A measured
+# machine (this CPU, calibrated: its ops as model.py runs them, its own Adam) keeps its own rates.
+STREAM_SHARE = {"RMSNorm ×2": 0.66, "final RMSNorm": 0.66, "SwiGLU products": 0.80, "rotary": 0.80,
+                "loss (softmax cross-entropy)": 0.35, "optimizer (Adam)": 0.73}
+
+
+def timed(name: str, gpu: GPU, flops: float, nbytes: float, *, rate: float, kernels: int = 1,
+          stream_share: float = 1.0) -> Operation:
     """max(FLOPs / rate, bytes / achievable HBM bandwidth, kernels × launch), and which of them it was (on a GPU
-    whose launches add to the work, gpu.launch_adds: the longer of the first two, plus the launches)."""
-    limits = {"compute": flops / rate, "memory": nbytes / (gpu.hbm_share * gpu.hbm_bytes_per_s),
+    whose launches add to the work, gpu.launch_adds: the longer of the first two, plus the launches). The
+    achievable bandwidth is a copy's, hbm_share × hbm_bytes_per_s, times ``stream_share`` (STREAM_SHARE)."""
+    limits = {"compute": flops / rate, "memory": nbytes / (gpu.hbm_share * stream_share * gpu.hbm_bytes_per_s),
               "launch": kernels * gpu.launch_s}
     bound = max(limits, key=limits.get)
     if gpu.launch_adds:
@@ -169,9 +186,11 @@ def matmul(name: str, gpu: GPU, m: int, k: int, n: int, e: int, passes: int, bat
 def elementwise(name: str, gpu: GPU, forward_bytes: float, backward_bytes: float, flops_per_byte: float,
                 forward_again: bool) -> Operation:
     """A memory-bound operation: one kernel forward, one backward (and the forward again when recomputed), each
-    at bytes / HBM bandwidth or its launch. ``flops_per_byte``: the few FLOPs it does, to place it on a roofline."""
+    at bytes / (its STREAM_SHARE of the achievable HBM bandwidth) or its launch. ``flops_per_byte``: the few
+    FLOPs it does, to place it on a roofline."""
     passes = [forward_bytes, backward_bytes] + ([forward_bytes] if forward_again else [])
-    parts = [timed(name, gpu, flops_per_byte * b, b, rate=gpu.peak_flops) for b in passes]
+    share = 1.0 if gpu.eager_elementwise else STREAM_SHARE.get(name, 1.0)
+    parts = [timed(name, gpu, flops_per_byte * b, b, rate=gpu.peak_flops, stream_share=share) for b in passes]
     seconds = sum(p.seconds for p in parts)
     bound = max(("memory", "launch"), key=lambda kind: sum(p.seconds for p in parts if p.bound == kind))
     return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound, len(parts))
@@ -267,7 +286,8 @@ def optimizer_operation(gpu: GPU, params: int, grad_bytes: int = 2) -> Operation
     Memory-bound; torch's foreach/fused Adam runs it in a handful of kernels. A measured machine
     (GPU.optimizer_bytes_per_param) gives its own Adam's bytes a parameter instead."""
     nbytes = params * (gpu.optimizer_bytes_per_param or 26 + 3 * grad_bytes)
-    return timed("optimizer (Adam)", gpu, 10 * params, nbytes, rate=gpu.peak_flops, kernels=4)
+    share = 1.0 if gpu.optimizer_bytes_per_param else STREAM_SHARE["optimizer (Adam)"]
+    return timed("optimizer (Adam)", gpu, 10 * params, nbytes, rate=gpu.peak_flops, kernels=4, stream_share=share)
 
 
 def summed(ops: list[Operation]) -> dict[str, float]:

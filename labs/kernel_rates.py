@@ -14,7 +14,8 @@ the same kernels and puts each measured rate beside the model's:
   batch, hidden 2,048) and with its FLOP count (3.5 × forward's 4·b·s²·heads·head_dim, half of it causal),
   against kernel_times.attention_rate (FLASH_TFLOPS: FlashAttention-2's and -3's published figures);
 * memory-bound ops (copy, residual add, RMSNorm, SwiGLU's product, cross-entropy over the logits, fused Adam),
-  the bytes they must move over the time, against hbm_share × the datasheet's HBM bandwidth;
+  the bytes they must move over the time, against hbm_share × the datasheet's HBM bandwidth × the op's
+  kernel_times.STREAM_SHARE (which one H200's run of this lab gave: on another GPU it checks they carry over);
 * a kernel launch: the time per tiny op in a long stream of them, against hardware.KERNEL_LAUNCH_S.
 
 Each time is the median of --repeats runs after warm-ups (CUDA events on a GPU). A ratio measured/model above
@@ -40,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import RESULTS, cpu_model
 from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, matmul_rate
-from course_lib.kernel_times import FAMILIES, attention_rate
+from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
 from course_lib.runtime.arguments import integer, writable_folder
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -128,7 +129,8 @@ def attention_pass(backend, q, k, v, grad_out, causal):
 
 def check_attention(backend, dev, dtype) -> dict:
     """The backend's output and gradients against the math backend in float64 on the same small inputs: the
-    largest |difference| relative to the largest |value| of each tensor, and the bound it must stay under (float32 rounding, or bf16's for a bf16 kernel)."""
+    largest |difference| relative to the largest |value| of each tensor, and the bound it must stay under
+    (float32 rounding, or bf16's for a bf16 kernel)."""
     inputs = attention_inputs(2, 4, 256, 64, dev, dtype)
     try:
         got = attention_pass(backend, *inputs, causal=True)
@@ -189,30 +191,32 @@ def measure_memory_bound(sizes, dev, dtype, gpu, repeats) -> list[dict]:
     params[0].grad = torch.randn_like(params[0])
     fused = dev.type == "cuda"                 # one fused kernel on a GPU; the foreach loop on a CPU
     adam = torch.optim.Adam(params, lr=1e-6, fused=fused, foreach=None if fused else True)
-    ops = [  # name, work, bytes it must move
-        ("copy", lambda: out.copy_(x), 2 * n * e),
-        ("residual add", lambda: torch.add(x, y, out=out), 3 * n * e),
-        ("RMSNorm forward", lambda: F.rms_norm(x, (width,), weight), 2 * n * e),
-        ("RMSNorm forward + backward", norm_both_ways, (2 + 3) * n * e),
-        ("SwiGLU product silu(gate)·up, eager", lambda: F.silu(x) * y, 3 * n * e),
-        ("cross-entropy forward + backward", cross_entropy, 3 * tokens * vocab * e),
-        ("Adam step (fp32: p, g, m, v read; p, m, v written)", adam.step, 28 * sizes["adam_params"]),
+    ops = [  # name, work, bytes it must move, the model's operation (its kernel_times.STREAM_SHARE)
+        ("copy", lambda: out.copy_(x), 2 * n * e, "copy"),
+        ("residual add", lambda: torch.add(x, y, out=out), 3 * n * e, "residual add ×2"),
+        ("RMSNorm forward", lambda: F.rms_norm(x, (width,), weight), 2 * n * e, "RMSNorm ×2"),
+        ("RMSNorm forward + backward", norm_both_ways, (2 + 3) * n * e, "RMSNorm ×2"),
+        ("SwiGLU product silu(gate)·up, eager", lambda: F.silu(x) * y, 3 * n * e, "SwiGLU products"),
+        ("cross-entropy forward + backward", cross_entropy, 3 * tokens * vocab * e, "loss (softmax cross-entropy)"),
+        ("Adam step (fp32: p, g, m, v read; p, m, v written)", adam.step, 28 * sizes["adam_params"],
+         "optimizer (Adam)"),
     ]
     if dev.type == "cuda":          # what a framework's fused kernel reaches: the same ops compiled into one each
         swiglu = torch.compile(lambda gate, up: F.silu(gate) * up)
         norm = torch.compile(lambda t: F.rms_norm(t, (width,), weight))
-        ops += [("SwiGLU product, torch.compile (one fused kernel)", lambda: swiglu(x, y), 3 * n * e),
-                ("RMSNorm forward, torch.compile", lambda: norm(x), 2 * n * e)]
-    model = gpu.hbm_share * gpu.hbm_bytes_per_s / 1e9 if gpu else None
+        ops += [("SwiGLU product, torch.compile (one fused kernel)", lambda: swiglu(x, y), 3 * n * e,
+                 "SwiGLU products"),
+                ("RMSNorm forward, torch.compile", lambda: norm(x), 2 * n * e, "RMSNorm ×2")]
+    copy_rate = gpu.hbm_share * gpu.hbm_bytes_per_s / 1e9 if gpu else None
     rows = []
-    for name, work, nbytes in ops:
+    for name, work, nbytes, operation in ops:
         try:
             rate = nbytes / seconds(work, dev, repeats) / 1e9
         except Exception as error:      # a compiler missing on this machine, say: the other rows still count
             print(f"{name}: not measured ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
             continue
         rows.append({"kind": "memory-bound", "name": name, "bytes": nbytes, "unit": "GB/s", "measured": rate,
-                     "model": model})
+                     "model": copy_rate and copy_rate * STREAM_SHARE.get(operation, 1.0)})
     return rows
 
 
@@ -277,11 +281,13 @@ def main(argv=None):
     rows.append(measure_launch(dev, gpu))
     print(table(rows))
     for c in checks:
-        print(f"attention {c['backend']} vs math in float64: " + (f"max |Δ| / max |value| {c['max_relative_diff']:.1e} (bound "
-              f"{c['bound']:g})" if c["available"] else f"not available here ({c['why']})"))
-    record = {"device_name": device_name, "model_gpu": gpu.name if gpu else None, "dtype": "bf16" if on_gpu else "fp32", "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
-        "attention_checks": checks, "rows": rows, "seconds": time.perf_counter() - start,
-        "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        found = (f"max |Δ| / max |value| {c['max_relative_diff']:.1e} (bound {c['bound']:g})" if c["available"]
+                 else f"not available here ({c['why']})")
+        print(f"attention {c['backend']} vs math in float64: {found}")
+    record = {"device_name": device_name, "model_gpu": gpu.name if gpu else None, "dtype": "bf16" if on_gpu else "fp32",
+              "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
+              "attention_checks": checks, "rows": rows, "seconds": time.perf_counter() - start,
+              "date": time.strftime("%Y-%m-%d", time.gmtime())}
     args.out.mkdir(parents=True, exist_ok=True)
     temporary = args.out / ".kernel_rates.json.tmp"            # written whole, then renamed: never a cut record
     temporary.write_text(json.dumps(record, indent=1))

@@ -55,15 +55,15 @@ def test_a_layout_that_does_not_fit_says_which_part_overflows_and_by_how_much(ca
 
 @pytest.mark.parametrize("answer, worst, words", [
     (layout(dp=1, tp=8, pp=8, recompute="none"), "tp",
-     ["MFU is 38.3% < 42%", "The largest loss is tp, 6.66 s (17% of the step)", "A smaller TP"]),
+     ["MFU is 37.8% < 42%", "The largest loss is tp, 6.66 s (17% of the step)", "A smaller TP"]),
     (layout(dp=16, tp=4, pp=1, zero_stage=3), "dp",
-     ["MFU is 33.2% < 42%", "The largest loss is dp, 16.4 s (37% of the step)", "gathered 2m times"]),
+     ["MFU is 33.0% < 42%", "The largest loss is dp, 16.4 s (37% of the step)", "gathered 2m times"]),
     (layout(dp=4, tp=1, pp=16, micro_batch_size=4, recompute="full", sequence_parallel=False), "bubble",
-     ["The largest loss is bubble, 15.7 s (32% of the step)", "(p-1)/(m+p-1)"]),
+     ["The largest loss is bubble, 15.9 s (32% of the step)", "(p-1)/(m+p-1)"]),
     (layout(dp=8, tp=1, pp=8, recompute="full", sequence_parallel=False), "recompute",
-     ["The largest loss is recompute, 8.26 s (22% of the step)", "hardware FLOPs that MFU does not count"]),
+     ["The largest loss is recompute, 8.34 s (22% of the step)", "hardware FLOPs that MFU does not count"]),
     (layout(dp=1, tp=1, pp=64, recompute="full", sequence_parallel=False), "imbalance",
-     ["MFU is 24.6% < 42%", "The largest loss is imbalance", "whole on every TP rank"]),
+     ["MFU is 24.4% < 42%", "The largest loss is imbalance", "whole on every TP rank"]),
 ], ids=["tp", "dp", "bubble", "recompute", "imbalance"])
 def test_a_layout_that_fits_but_is_slow_names_its_largest_loss(capsys, answer, worst, words):
     shown = verdict(capsys, exercises.check_layout_at_scale(answer), False, "✗ it fits, but", *words)

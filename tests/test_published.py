@@ -45,15 +45,16 @@ def test_every_llm_foundry_row_is_read_from_the_row_as_printed():
 
 
 def test_the_model_on_runs_it_was_not_shaped_beside():
-    """llm-foundry: at least 181 of 203 within 5 points, every regime's mean within 5; every row at 16k tokens
-    and more within 6 (with attention as one flat share they were 16-22 points off on H100, and the trend ran
-    backwards); H100 there within 5 each. torchtitan, held out: all 6 within 5, its 'selective op' rows run as
-    recompute='op' (every second matmul rerun): costed as the course's 'selective' (each attention core rerun),
-    they come out more than 5 points high."""
+    """llm-foundry: at least 183 of 203 within 5 points (181 before the memory-bound ops took the shares one H200
+    measured, kernel_times.STREAM_SHARE), every regime's mean within 5; every row at 16k tokens and more within 6
+    (with attention as one flat share they were 16-22 points off on H100, and the trend ran backwards); H100 there
+    within 5 each. torchtitan, held out: all 6 within 5, its 'selective op' rows run as recompute='op' (every
+    second matmul rerun): costed as the course's 'selective' (each attention core rerun), they come out 2 points
+    higher or more, two of the three beyond 5."""
     runs = llm_foundry_runs()
     rows = compare_published(runs)
     by_regime = error_by_regime(rows, runs)
-    assert sum(error["within_5"] for error in by_regime.values()) >= 181
+    assert sum(error["within_5"] for error in by_regime.values()) >= 183
     assert all(abs(error["mean"]) <= 5 for error in by_regime.values()), by_regime
     long = [(row, run) for row, run in zip(rows, runs) if run.layout["seq_len"] >= 16384]
     assert len(long) == 43 and all(abs(row["points"]) <= 6 for row, _ in long)
@@ -65,7 +66,7 @@ def test_the_model_on_runs_it_was_not_shaped_beside():
     as_selective = compare_published([with_layout(run, recompute="selective") for run in per_op])
     ours = compare_published(per_op)
     assert len(per_op) == 3 and all(a["points"] > b["points"] + 2 for a, b in zip(as_selective, ours))
-    assert all(row["points"] > 5 for row in as_selective)
+    assert sum(row["points"] > 5 for row in as_selective) == 2
 
 
 def with_layout(run, **changes):
@@ -74,12 +75,13 @@ def with_layout(run, **changes):
 
 def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_another():
     """published.FSDP_OVERLAP: chosen on llm-foundry's rows (176 within 5 points with half the traffic hidden,
-    181 with none), then checked on torchtitan's, held out: 2 of 6 within 5 with half hidden, 6 of 6 with none."""
+    181 with none, when it was chosen; 182 and 183 since the memory-bound ops take their measured shares), then
+    checked on torchtitan's, held out: 2 of 6 within 5 with half hidden, 6 of 6 with none."""
     def within_5(runs, overlap):
         return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap)
                                                                          for r in runs]))
     assert FSDP_OVERLAP == 0.0
-    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (176, 181)
+    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (182, 183)
     assert (within_5(torchtitan_runs(), 0.5), within_5(torchtitan_runs(), FSDP_OVERLAP)) == (2, 6)
 
 
@@ -164,20 +166,20 @@ def test_every_row_off_by_more_than_5_points_says_why_or_is_a_miss():
                                      "(8 to 128 GPUs)")
     short = rows["MPT-760m, 8 A100 80GB, s 512, b 96"]               # 9-12 points below the same model at 2k-32k
     assert "(1,024 to 65,536 tokens)" in short["why"]
-    # MPT-125M's table falls with the GPU count as the model does: its rows stay the model's own misses
-    assert rows["MPT-125m, 32 A100 40GB, s 2,048, b 26"]["points"] > 5
-    assert rows["MPT-125m, 32 A100 40GB, s 2,048, b 26"]["why"] == ""
+    # MPT-125M's rows were 6-11 points high while every memory-bound op streamed like a copy; at the shares one
+    # H200 measured (kernel_times.STREAM_SHARE) all 20 are within 5
+    assert all(abs(row["points"]) <= 5 for name, row in rows.items() if name.startswith("MPT-125m"))
     off = [row for row in rows.values() if abs(row["points"]) > 5]
-    assert sum(not row["why"] for row in off) <= 4                   # 4 when written
+    assert sum(not row["why"] for row in off) <= 2                   # 2 when written (4 before the shares)
 
 
 def test_every_published_run_together():
-    """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 203
-    within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.9 (0.910 when
-    written)."""
+    """All 225 runs of the three sets (the sixteen, llm-foundry's, torchtitan's), five sources: at least 205
+    within 5 points, and the model puts them in the published order, Spearman's ρ at least 0.92 (0.929 when
+    written; 203 and 0.910 before the memory-bound ops took the shares one H200 measured)."""
     rows = compare_published(PUBLISHED_RUNS + llm_foundry_runs() + torchtitan_runs())
-    assert len(rows) == 225 and sum(abs(row["points"]) <= 5 for row in rows) >= 203
-    assert rank_correlation([row["ours"] for row in rows], [row["theirs"] for row in rows]) >= 0.9
+    assert len(rows) == 225 and sum(abs(row["points"]) <= 5 for row in rows) >= 205
+    assert rank_correlation([row["ours"] for row in rows], [row["theirs"] for row in rows]) >= 0.92
 
 
 def test_a_collectives_latency_grows_with_its_ring_as_nccls_model_says():
