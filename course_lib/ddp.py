@@ -123,6 +123,12 @@ class NaiveDDP(_DataParallel):
             param.grad /= self.comm.size                # the mean
 
 
+def remove_with(wrapper, handles: list) -> None:
+    """Remove the hooks behind ``handles`` once ``wrapper`` (whose methods they call, through a weak reference) is
+    collected: a module that outlives its wrapper then trains on as a plain module."""
+    weakref.finalize(wrapper, lambda: [handle.remove() for handle in handles])
+
+
 class BucketedDDP(_DataParallel):
     """All-reduce buckets of gradients asynchronously as backward produces them; wait before the update."""
 
@@ -135,9 +141,9 @@ class BucketedDDP(_DataParallel):
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)     # gradients ready in each bucket during this backward
         self._in_flight: list[tuple[torch.Tensor, object, dict | None]] = []   # (flat buffer, work, record)
-        hooks = weakref.proxy(self)   # held weakly: a strong one would keep a finished run's model alive (zero.py)
-        for param in params:
-            param.register_post_accumulate_grad_hook(lambda param: hooks._gradient_ready(param))
+        wrapper = weakref.proxy(self)   # held weakly: a strong one keeps a finished run's model alive (zero.py)
+        remove_with(self, [param.register_post_accumulate_grad_hook(lambda param: wrapper._gradient_ready(param))
+                           for param in params])
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
         """Called by autograd once ``param.grad`` holds this backward's (accumulated) gradient."""

@@ -66,7 +66,8 @@ HBM_SHARE = 0.85
 # 0.73, cross-entropy 0.35: kernel_times.STREAM_SHARE times each of those ops at its own share.
 # A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
 # this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
-KERNEL_LAUNCH_S = 5e-6   # an eager PyTorch op took 9-12 µs of host time on the H200 box measured here
+KERNEL_LAUNCH_S = 5e-6   # frameworks fuse or graph small ops; an eager PyTorch op took 9.5 µs of host time on
+                         # the H200 box measured here (labs/results/gpu-1x-nvidia-h200; 8.8-11.9 over 4 runs)
 
 @dataclass(frozen=True)
 class Link:

@@ -151,7 +151,8 @@ class Operation:
 
 # A memory-bound kernel that does more than stream runs below a copy's rate (hbm_share × bandwidth). Its share of
 # that rate, measured on one H200 (labs/kernel_rates.py, labs/results/gpu-1x-nvidia-h200; tests/test_cost.py):
-# a residual add 1.03 (taken as 1), RMSNorm as torch.compile fuses it 0.66, SwiGLU's product fused 0.80,
+# a residual add 1.03 (taken as 1), RMSNorm as torch.compile fuses it 0.66 (its forward, taken for backward too:
+# eager, forward + backward ran 0.60), SwiGLU's product fused 0.80,
 # cross-entropy over the logits 0.35 (torch's), Adam's fused step 0.73. Rotary is taken as SwiGLU's product (a
 # fused elementwise product of the same kind; not measured), Megatron's fused softmax as a copy (not measured).
 # The frameworks fuse these ops as torch.compile does (Megatron-LM's and Apex's kernels); that the H200's shares

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm
+from .ddp import remove_with
 from .ledger import ZERO_STAGES
 from .measure import measure_state_bytes
 from .mixed_precision import MixedPrecisionAdam
@@ -166,8 +167,8 @@ class ZeroDataParallel(nn.Module):
         # The hooks hold this wrapper weakly, and a unit by its index: a hook lives as long as its parameter, and a
         # strong reference back to the parameter would close a cycle through autograd's C++ objects that Python's
         # collector cannot see, so a finished run's model would stay in memory (on one H200 each run of
-        # labs/zero.py kept the one before it: 1.5 GiB more per run).
-        hooks = weakref.proxy(self)
+        # labs/zero.py kept the one before it: 1.5 GiB more per run). They are removed with the wrapper.
+        wrapper, handles = weakref.proxy(self), []
         for index, unit in enumerate(self.units):
             comm.broadcast(unit.full, src=0)               # every rank starts from rank 0's weights
             mine = slice(rank * unit.shard_numel, (rank + 1) * unit.shard_numel)
@@ -187,13 +188,14 @@ class ZeroDataParallel(nn.Module):
                 shard.grad = torch.zeros_like(shard)       # the reduced gradients of this rank's shard only
             unit.shard = shard
             shards.append(shard)
-            for param in unit.params:
-                param.register_post_accumulate_grad_hook(lambda param, i=index: hooks._gradient_ready(hooks.units[i]))
+            handles += [param.register_post_accumulate_grad_hook(
+                lambda param, i=index: wrapper._gradient_ready(wrapper.units[i])) for param in unit.params]
             if zero_stage == 3:
-                unit.module.register_forward_pre_hook(lambda module, args, i=index: hooks._gather(hooks.units[i],
-                                                                                                  "forward"))
-                unit.module.register_forward_hook(lambda module, args, output, i=index:
-                                                  hooks._after_forward(hooks.units[i], output))
+                handles.append(unit.module.register_forward_pre_hook(
+                    lambda module, args, i=index: wrapper._gather(wrapper.units[i], "forward")))
+                handles.append(unit.module.register_forward_hook(
+                    lambda module, args, output, i=index: wrapper._after_forward(wrapper.units[i], output)))
+        remove_with(self, handles)
         self.shards = nn.ParameterList(shards)
         self.optimizer = optimizer_class(list(self.shards), **optimizer_kwargs)
 

@@ -3,9 +3,9 @@
     python labs/kernel_rates.py                 # a GPU: training-sized kernels; a CPU: tiny ones (a smoke run)
     python labs/kernel_rates.py --out /tmp/k    # results elsewhere (default: labs/results)
 
-The model times every kernel of a step from constants that cite published benchmarks, not this machine
-(course_lib.hardware, course_lib.kernel_times). On a GPU of its catalogue (A100, H100, H200) this lab measures
-the same kernels and puts each measured rate beside the model's:
+The model times every kernel of a step from constants that cite published benchmarks and, for the memory-bound
+ops, this lab's run on one H200 (course_lib.hardware, course_lib.kernel_times). On a GPU of its catalogue (A100,
+H100, H200) this lab measures the same kernels and puts each measured rate beside the model's:
 
 * matmul, bf16, by shape (M, N, K): 2·M·N·K FLOPs over the time, against hardware.matmul_rate
   (matmul_share × peak × f(M)·f(N)·f(K));
@@ -31,6 +31,7 @@ shown, the model's column says "—". Writes kernel_rates.json and kernel_rates.
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import RESULTS, cpu_model
+from common import RESULTS, machine
 from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, matmul_rate
 from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
 from course_lib.runtime.arguments import integer, writable_folder
@@ -67,16 +68,14 @@ CPU_SIZES = {"matmul": [(n, n, n) for n in (64, 128, 256)] + [(256, 64, 256)],
 
 def catalogue_gpu(device_name: str):
     """The catalogue's GPU (hardware.GPUS) for a device name torch reports, or None: "NVIDIA H200" -> H200 SXM,
-    "NVIDIA H100 80GB HBM3" -> H100 SXM, "NVIDIA A100-SXM4-80GB" -> A100 80GB. A PCIe or NVL part has another
-    clock and bandwidth than the SXM one the catalogue describes: None."""
+    "NVIDIA H100 80GB HBM3" -> H100 SXM, "NVIDIA A100-SXM4-80GB" -> A100 80GB. A PCIe or NVL part, or a GH200, has
+    another clock and bandwidth than the SXM one the catalogue describes: None."""
     name = device_name.upper()
     if "PCIE" in name or "NVL" in name:
         return None
-    for family, key in (("H200", "H200 SXM"), ("H100", "H100 SXM")):
-        if family in name:
-            return GPUS[key]
-    if "A100" in name:
-        return GPUS["A100 40GB" if "40GB" in name else "A100 80GB"]
+    for family, key in (("H200", "H200 SXM"), ("H100", "H100 SXM"), ("A100", "A100 80GB")):
+        if re.search(rf"\b{family}\b", name):        # a whole word: a GH200 superchip is no H200 SXM
+            return GPUS["A100 40GB" if family == "A100" and "40GB" in name else key]
     return None
 
 
@@ -257,7 +256,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         model = f"{r['model']:.4g}" if r["model"] else "—"
         ratio = f"{r['measured'] / r['model']:.2f}" if r["model"] else "—"
-        lines.append(f"{r['name']:<58} {r['measured']:>8.4g} {r['unit']:<3} {model:>12} {ratio:>15}")
+        lines.append(f"{r['name']:<58} {r['measured']:>8.4g} {r['unit']:<7} {model:>8} {ratio:>15}")
     return "\n".join(lines)
 
 
@@ -269,7 +268,7 @@ def main(argv=None):
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     dtype, sizes = (torch.bfloat16, GPU_SIZES) if on_gpu else (torch.float32, CPU_SIZES)
-    device_name = torch.cuda.get_device_name(0) if on_gpu else f"{cpu_model()} ({len(os.sched_getaffinity(0))} cores)"
+    device_name = torch.cuda.get_device_name(0) if on_gpu else machine("gloo", 1)   # "AMD EPYC 7B13 (2 cores)"
     gpu = catalogue_gpu(device_name) if on_gpu else None
     print(f"kernel rates on {device_name} ({dtype}); the model's constants: {gpu.name if gpu else 'none for it'}")
     start = time.perf_counter()

@@ -208,14 +208,16 @@ def test_every_labs_gpu_flags_pass_its_own_checks_on_1_and_8_gpus(name, gpus, mo
 def test_kernel_rates_take_the_catalogue_gpu_of_the_device_name():
     import kernel_rates
 
-    names = {name: kernel_rates.catalogue_gpu(name) for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3",
-             "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "Tesla V100")}
-    assert {name: gpu and gpu.name for name, gpu in names.items()} == {
+    catalogue = {name: kernel_rates.catalogue_gpu(name) for name in (
+        "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe",
+        "NVIDIA H100 NVL", "NVIDIA GH200 480GB", "Tesla V100")}
+    assert {name: gpu and gpu.name for name, gpu in catalogue.items()} == {
         "NVIDIA H200": "H200 SXM 141GB", "NVIDIA H100 80GB HBM3": "H100 SXM 80GB",
         "NVIDIA A100-SXM4-40GB": "A100 40GB (SXM)", "NVIDIA A100-SXM4-80GB": "A100 80GB (SXM)",
-        "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None, "Tesla V100": None}    # other clocks and bandwidths
+        "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None, "NVIDIA GH200 480GB": None,   # other clocks, bandwidths
+        "Tesla V100": None}
     assert check_gpu.gpu_folder(8, "NVIDIA H100 80GB HBM3") == "gpu-8x-nvidia-h100-80gb-hbm3"
-    assert check_gpu.gpu_folder(1, "NVIDIA H200") == H200.name              # where the committed results lie
+    assert check_gpu.gpu_folder(1, "NVIDIA H200") == H200_RESULTS.name     # where the committed results lie
 
 
 @on_cpu_only
@@ -237,15 +239,15 @@ def test_a_wrong_attention_kernel_fails_and_rates_beside_a_model_show_their_rati
     assert (ratios.measured, ratios.verdict) == ("0.38 (0.12–1.00)", "info")
 
 
-H200 = REPO / "labs" / "results" / "gpu-1x-nvidia-h200"
+H200_RESULTS = REPO / "labs" / "results" / "gpu-1x-nvidia-h200"
 
 
 def test_the_committed_h200_results_name_their_machine_and_pass_todays_checks():
-    report = json.loads((H200 / "check_gpu.json").read_text())
+    report = json.loads((H200_RESULTS / "check_gpu.json").read_text())
     assert report["run"] == "GPU check" and report["machine"]["name"] == "1 × NVIDIA H200 (140 GiB)"
     ran = [lab["lab"] for lab in report["labs"] if lab["status"] == "ran"]
     assert ran == ["kernel_rates", "training_step", "ddp", "zero", "checkpoint"]     # the others need 2 or 4 GPUs
     for name in ran:                              # the checks as they are now, on what the GPU wrote then
-        checks = check_gpu.lab_checks(name, H200)
+        checks = check_gpu.lab_checks(name, H200_RESULTS)
         assert {c.verdict for c in checks} <= {"ok", "info", "n/a"}, check_gpu.checks_table(checks)
-    assert (H200 / "summary.md").read_text().startswith("# GPU check: 1 × NVIDIA H200 (140 GiB)\n")
+    assert (H200_RESULTS / "summary.md").read_text().startswith("# GPU check: 1 × NVIDIA H200 (140 GiB)\n")

@@ -60,14 +60,15 @@ def test_results_are_read_from_the_repositorys_labs_results():
 def test_committed_gpu_results_follow_the_learners_own_run_and_only_cuda_ones(tmp_path):
     write(tmp_path, "training_step", **TRAINING_STEP, backend="gloo", device="cpu", machine="AMD EPYC 7B13 (2 cores)",
           dtype="fp32")
-    for folder, device, machine in (("gpu-8x-h100", "cuda", "8 × NVIDIA H100 80GB HBM3"), ("gpu-oops", "cpu", "a laptop")):
+    for folder, device, machine in (("gpu-8x-h100", "cuda", "8 × NVIDIA H100 80GB HBM3"),
+                                    ("gpu-oops", "cpu", "a laptop")):
         (tmp_path / folder).mkdir()
         write(tmp_path / folder, "training_step", **TRAINING_STEP, backend="nccl", device=device, machine=machine,
               dtype="bf16", date="2027-01-05")
     (tmp_path / "gpu-8x-h100" / "training_step.png").write_bytes(b"")
     lines = describe("training_step", tmp_path).splitlines()
     assert lines[0].startswith("CPU smoke run (gloo, tiny sizes) on AMD EPYC 7B13 (2 cores)")
-    assert lines[2:] == ["", "committed with the course, `make gpu-check` (labs/results/gpu-8x-h100): GPU results from "
+    assert lines[2:] == ["", "`make gpu-check` (labs/results/gpu-8x-h100): GPU results from "
                          "8 × NVIDIA H100 80GB HBM3 (nccl, bf16, 2 ranks, 2027-01-05):",
                          "  2 ranks, 164,416 parameters: loss 4.8759 → 4.3939, replica spread 0.0e+00",
                          "  figure: labs/results/gpu-8x-h100/training_step.png"]

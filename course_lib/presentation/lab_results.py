@@ -10,9 +10,11 @@ the machine it ran on (labs/common.py). ``describe`` reads that file and labels 
   box would show and how to get it (``make gpu-check``);
 * no file: **no lab results yet**, and the commands that make one.
 
-Below that come the GPU results committed with the course: ``make gpu-check`` run on a GPU box writes into
-``labs/results/gpu-<machine>/`` (labs/check_gpu.py --out), and each such folder that holds this lab, run on
-"cuda", is shown the same way, under its folder's name. A learner's own run never overwrites them.
+Below that come the GPU results of ``make gpu-check``: on a GPU box it writes into ``labs/results/gpu-<machine>/``
+(labs/check_gpu.py), and each such folder that holds this lab, run on "cuda", is shown the same way, under its
+folder's name. The course commits the folders of the machines it ran on (one H200 so far); a lab run by hand
+writes ``labs/results/<lab>.json`` beside them, and ``make gpu-check`` on a box of the same kind rewrites that
+machine's folder (git shows it changed).
 
 Notebook cells never read ``labs/results/`` themselves (tests/test_lab_results.py checks every notebook), so
 no cell can present a CPU run as a GPU result.
@@ -91,7 +93,7 @@ def describe(name: str, folder: Path = RESULTS) -> str:
         gpu_record = load(name, committed)
         if gpu_record is not None and gpu_record.get("device") == "cuda":
             where = f"labs/results/{committed.name}"
-            lines += ["", f"committed with the course, `make gpu-check` ({where}): {label(name, gpu_record)}"]
+            lines += ["", f"`make gpu-check` ({where}): {label(name, gpu_record)}"]
             lines += _numbers(name, gpu_record, committed, where)
     return "\n".join(lines)
 

@@ -121,7 +121,7 @@ class Trainer:
         if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.gather(unit.shard, self.dp.comm)
-        out = {n: p.detach().cpu().clone() for n, p in self.dp.module.named_parameters()}
+        out = {n: p.detach().to("cpu", copy=True) for n, p in self.dp.module.named_parameters()}
         if self.dp.zero_stage == 3:
             for unit in self.dp.units:
                 unit.free()
