@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parents[2] / "labs" / "results"     # the repository's labs/results
-GPU_FOLDERS = "gpu-*"       # labs/results/gpu-<machine>/: a GPU box's make gpu-check, committed
+GPU_FOLDERS = "gpu-*"       # labs/results/gpu-<machine>/: a GPU box's make gpu-check (the course commits them)
 GPU_CHECK = "make gpu-check"
 
 
@@ -86,7 +86,7 @@ def label(name: str, record: dict | None) -> str:
 
 def describe(name: str, folder: Path = RESULTS) -> str:
     """Lab ``name``'s last results in ``folder`` as text: label(...) and then a few lines of its numbers; then
-    those of every GPU run committed in ``folder``/gpu-*/ (module docstring)."""
+    those of every GPU run in ``folder``/gpu-*/ (module docstring)."""
     record = load(name, folder)
     lines = [label(name, record)] + (_numbers(name, record, Path(folder), "labs/results") if record else [])
     for committed in sorted(Path(folder).glob(GPU_FOLDERS)):
