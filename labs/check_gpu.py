@@ -22,7 +22,7 @@ results beside the learner's own (course_lib.presentation.lab_results); tests/te
 the checks of the day (labs/results/gpu-1x-nvidia-h200/: one H200, 2026-12-04).
 
 Without a GPU it says so in one line and runs the same checks as a CPU smoke run (gloo, 2 ranks, tiny sizes,
-labelled so everywhere), which is how CI exercises this script (tests/test_gpu_check.py): about 40 s on 2 cores.
+labelled so everywhere), which is how CI exercises this script (tests/test_gpu_check.py): about 60 s on 2 cores.
 """
 
 import argparse
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from lab_checks import Check, lab_checks, size
 
-from common import RESULTS, cpu_model
+from common import RESULTS, cpu_model, write_atomically
 from course_lib import device, launch
 from course_lib.comm import BUS_FACTOR, Comm, CostModel
 from course_lib.runtime.arguments import writable_folder
@@ -340,7 +340,7 @@ def main():
                         help="leave out the kernel rates (labs/kernel_rates.py)")
     parser.add_argument("--out", type=writable_folder,
                         help="where the results go (a folder; default: on GPUs labs/results/gpu-<N>x-<GPU name>, "
-                             "committed with the course and shown by the notebooks; on a CPU labs/results)")
+                             "which the notebooks show and git keeps; on a CPU labs/results)")
     args = parser.parse_args()
     start, gpus = time.perf_counter(), torch.cuda.device_count()
     if args.out is None:
@@ -398,11 +398,11 @@ def main():
     report = {"run": run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine,
               "seconds": time.perf_counter() - start, "bandwidth_ranks": bandwidth_ranks, "bandwidth": bandwidth,
               "labs": labs, "checks": [asdict(c) for c in checks]}
-    (args.out / "check_gpu.json").write_text(json.dumps(report, indent=1))
+    write_atomically(args.out / "check_gpu.json", json.dumps(report, indent=1))
     kernel_record = args.out / f"{KERNELS}.json"
     ran = any(lab["lab"] == KERNELS and lab["status"] == "ran" for lab in labs)
     kernel_rows = json.loads(kernel_record.read_text())["rows"] if ran and kernel_record.exists() else None
-    (args.out / "summary.md").write_text(summary(report, kernel_rows))
+    write_atomically(args.out / "summary.md", summary(report, kernel_rows))
     print("\n".join(["not measured:"] + not_measured(checks)))
     failed = [c for c in checks if c.verdict == "FAIL"]
     print(f"{len(failed)} of {len(checks)} checks failed; {report['seconds']:.0f} s; wrote {args.out / 'summary.md'}, "

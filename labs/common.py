@@ -179,13 +179,19 @@ def run_info(args) -> dict:
 
 
 def write_record(args, name: str, record: dict) -> Path:
-    """Write ``record`` with run_info to ``args.out``/``name``.json and return the path. Atomically: the text goes
-    to a temporary file beside it, flushed to disk, then renamed over the old record, so a full disk or a kill
-    leaves the previous record whole, never a cut one (os.replace is atomic on one file system)."""
-    args.out.mkdir(parents=True, exist_ok=True)
+    """Write ``record`` with run_info to ``args.out``/``name``.json (write_atomically) and return the path."""
     path = args.out / f"{name}.json"
-    text = json.dumps({**record, **run_info(args)}, indent=1)
-    with tempfile.NamedTemporaryFile("w", dir=args.out, prefix=f".{name}.", suffix=".tmp", delete=False) as out:
+    write_atomically(path, json.dumps({**record, **run_info(args)}, indent=1))
+    return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: to a temporary file beside it, flushed to disk, then renamed over the
+    old file, so a full disk or a kill leaves the previous file whole, never a cut one (os.replace is atomic on one
+    file system)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                     delete=False) as out:
         try:
             out.write(text)
             out.flush()
@@ -195,7 +201,6 @@ def write_record(args, name: str, record: dict) -> Path:
             os.unlink(out.name)
             raise
     os.replace(out.name, path)
-    return path
 
 
 def model_overrides(args) -> dict:

@@ -30,7 +30,6 @@ shown, the model's column says "—". Writes kernel_rates.json and kernel_rates.
 
 import argparse
 import json
-import os
 import re
 import statistics
 import time
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import RESULTS, machine
+from common import RESULTS, machine, write_atomically
 from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, matmul_rate
 from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
 from course_lib.runtime.arguments import integer, writable_folder
@@ -287,10 +286,7 @@ def main(argv=None):
               "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
               "attention_checks": checks, "rows": rows, "seconds": time.perf_counter() - start,
               "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    args.out.mkdir(parents=True, exist_ok=True)
-    temporary = args.out / ".kernel_rates.json.tmp"            # written whole, then renamed: never a cut record
-    temporary.write_text(json.dumps(record, indent=1))
-    os.replace(temporary, args.out / "kernel_rates.json")
+    write_atomically(args.out / "kernel_rates.json", json.dumps(record, indent=1))
     plot(rows, f"{device_name}: kernel rates" + (f" vs the model's {gpu.name}" if gpu else ""),
          args.out / "kernel_rates.png")
     print(f"{record['seconds']:.0f} s; wrote {args.out / 'kernel_rates.json'} and kernel_rates.png")
