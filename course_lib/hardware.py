@@ -95,6 +95,9 @@ class GPU:
     matmul_share: float = 0.8        # share of the peak a large bf16 GEMM reaches (GEMM_SOURCES)
     attention_share: float = 0.55    # FlashAttention's share of the peak, forward + backward, on a GPU that
                                      # kernel_times.FLASH_TFLOPS has no benchmark of (GEMM_SOURCES)
+    # The fastest GEMM a search over shapes finds on this GPU, as a share of the peak (MAMF_SOURCE): more than any
+    # matmul of a training step reaches for long. course_lib.published's "best kernels" ceiling; 1: no such figure
+    best_matmul_share: float = 1.0
     matmul_half_dim: float = MATMUL_HALF_DIM   # a GEMM dimension this small halves its rate (matmul_rate)
     attention_half_dim: float = 0.0            # a head dim this small halves attention's rate (0: no such loss)
     hbm_share: float = HBM_SHARE               # of hbm_bytes_per_s, what a memory-bound kernel streams
@@ -151,18 +154,30 @@ LINKS = {
 # The H200 is an H100 with more and faster HBM: the same Tensor Cores and clocks, so the same shares.
 A100_MATMUL_SHARE, A100_ATTENTION_SHARE = 0.75, 0.55
 H100_MATMUL_SHARE, H100_ATTENTION_SHARE = 0.67, 0.35
+# The best a GEMM has been measured to reach, searched over thousands of shapes (MAMF_SOURCE): 271.2 of the A100's
+# 312 TFLOP/s, 794.5 of the H100's 989 (the H200 "the same"; one H200 measured here ran 8192³ at 768).
+A100_BEST_MATMUL_SHARE, H100_BEST_MATMUL_SHARE = 271.2 / 312, 794.5 / 989
+MAMF_SOURCE = ("Bekman, 'Machine Learning Engineering Open Book', compute/accelerator/README.md, 'Maximum Achievable "
+               "Matmul FLOPS comparison table' (github.com/stas00/ml-engineering; mamf-finder.py, a search over GEMM "
+               "shapes, mean of 100 runs each): bf16, A100 SXM 271.2 TFLOP/s (86.9%, best shape 1024x10240x5120, "
+               "torch 2.6.0+cu126), H100 SXM 794.5 (80.3%, 2048x2048x13312, torch 2.7.0+cu126, 'H200 is the "
+               "same'). A short burst at boost clock on one GPU: the ceiling of what any matmul reaches")
 
 GPUS = {
     "A100 40GB": GPU("A100 40GB (SXM)", 312 * TERA, 40 * GiB, 1555 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
-                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE),
+                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE,
+                     best_matmul_share=A100_BEST_MATMUL_SHARE),
     "A100 80GB": GPU("A100 80GB (SXM)", 312 * TERA, 80 * GiB, 2039 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
-                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE),
+                     A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE,
+                     best_matmul_share=A100_BEST_MATMUL_SHARE),
     "H100 SXM": GPU("H100 SXM 80GB", 989 * TERA, 80 * GiB, 3350 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
-                    H100_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE),
+                    H100_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE,
+                    best_matmul_share=H100_BEST_MATMUL_SHARE),
     # The datasheet's "141GB" is read as GiB like the other names; nvidia-smi is reported to show 143,771 MiB
     # (140.4 GiB) on an H200: not checked here.
     "H200 SXM": GPU("H200 SXM 141GB", 989 * TERA, 141 * GiB, 4800 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
-                    H200_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE),
+                    H200_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE,
+                    best_matmul_share=H100_BEST_MATMUL_SHARE),
 }
 
 
@@ -185,8 +200,9 @@ GEMM_SOURCES = (
     "about 3x the A100 for large BF16 GEMMs, under the 3.2x of the peaks); FlashAttention-2 forward + backward "
     "reaches 50-73% of the A100's peak (Dao 2023, arXiv:2307.08691) and ~35% of the H100's (Shah et al. 2024, "
     "FlashAttention-3, arXiv:2407.08608, which lifts it to 75%). The shares used, 0.75 (A100) and 0.67 (H100), sit "
-    "in those ranges, nearer their low ends: sustained training runs at lower clocks than a short benchmark. They "
-    "were checked against the published runs of course_lib.published, not set per run")
+    "in those ranges, nearer their low ends: sustained training runs at lower clocks than a short benchmark, and "
+    "below the best any shape reaches (MAMF_SOURCE: 0.87 and 0.80). They were checked against the published runs "
+    "of course_lib.published, not set per run")
 
 
 def dimension_factor(x: float, half_dim: float = MATMUL_HALF_DIM) -> float:

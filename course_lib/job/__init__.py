@@ -77,7 +77,7 @@ class Job:
     fused_norm: bool = True               # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
 
     # the cluster, when the job is costed
-    gpu: str | None = None                # hardware.GPUS' name, e.g. "A100 80GB", "H100 SXM"
+    gpu: str | None = None                # hardware.GPUS' name, e.g. "A100 80GB", "H100 SXM" (or a hardware.GPU)
     gpus_per_node: int = 8
 
     # ------------------------------------------------------------------------------ what follows from it
