@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from lab_checks import Check, lab_checks, size
+from lab_checks import KERNELS, Check, lab_checks, size
 
 from common import RESULTS, cpu_model, write_atomically
 from course_lib import device, launch
@@ -55,7 +55,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 GPU_SIZES = [2**k for k in range(20, 31, 2)]       # 1 MiB, 4 MiB, ..., 1 GiB: latency-bound to bandwidth-bound
 CPU_SIZES = [2**12, 2**16, 2**20]
 LAB_TIMEOUT = 180                                   # seconds; a lab that hangs is stopped and reported
-KERNELS = "kernel_rates"                            # one process on one device: no ranks, no backend
 
 
 @dataclass

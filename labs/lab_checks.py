@@ -231,17 +231,18 @@ def check_kernel_rates(r: dict) -> list[tuple]:
     return checks
 
 
+KERNELS = "kernel_rates"        # the kernel-rate lab: one process on one device, no ranks, no backend, no state
 CHECKS = {"training_step": check_training_step, "ddp": check_ddp, "zero": check_zero,
           "tensor_parallel": check_tensor_parallel, "pipeline_parallel": check_pipeline_parallel,
           "parallel_3d": check_parallel_3d, "checkpoint": check_checkpoint, "profiling": check_profiling,
-          "kernel_rates": check_kernel_rates}
+          KERNELS: check_kernel_rates}
 
 
 def lab_checks(name: str, out: Path) -> list[Check]:
     """The checks of one lab's JSON; one FAIL row if it cannot be read (a lab changed its format, say)."""
     try:
         record = json.loads((out / f"{name}.json").read_text())
-        rows = CHECKS[name](record) + ([memory_check(record)] if name != "kernel_rates" else [])   # no state
+        rows = CHECKS[name](record) + ([memory_check(record)] if name != KERNELS else [])
     except Exception as error:      # any error here is this lab's failed check, reported as such
         rows = [("results readable", f"{name}.json", f"{type(error).__name__}: {error}", "FAIL")]
     return [Check(name, *row) for row in rows]
