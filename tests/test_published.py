@@ -165,13 +165,14 @@ def test_runs_above_the_kernels_ceiling_are_marked():
     assert all("of the" in row["why"] and "best rate measured on its GPU" in row["why"] for row in off)
 
 
-
 def test_a_run_above_even_the_best_kernels_says_so():
-    """No published row reports more than its best-kernels ceiling; one that did would be told apart."""
+    """No row more than 5 points off reports more than its best-kernels ceiling (five within 5 points do, at 32k-65k
+    tokens, where attention's kernel outran the model's); one that did would be told apart."""
     row = {"theirs": 0.62, "ceiling": 0.50, "best_ceiling": 0.60}
-    assert above_ceiling_why(row).endswith("more than any published kernel benchmark explains")
+    assert above_ceiling_why(row).endswith("its other kernels (attention, say) ran faster than the model's")
     assert above_ceiling_why(dict(row, theirs=0.57)).endswith("95% of the 60.0% with every matmul at the best rate "
                                                               "measured on its GPU")
+
 
 def test_every_row_off_by_more_than_5_points_says_why_or_is_a_miss():
     """compare_published's "why": above the kernels' ceiling, or out of line with the run's own source (its
