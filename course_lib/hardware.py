@@ -154,7 +154,7 @@ LINKS = {
 # The H200 is an H100 with more and faster HBM: the same Tensor Cores and clocks, so the same shares.
 A100_MATMUL_SHARE, A100_ATTENTION_SHARE = 0.75, 0.55
 H100_MATMUL_SHARE, H100_ATTENTION_SHARE = 0.67, 0.35
-# The best a GEMM has been measured to reach, searched over thousands of shapes (MAMF_SOURCE): 271.2 of the A100's
+# The best a GEMM has been measured to reach, in a search over many shapes (MAMF_SOURCE): 271.2 of the A100's
 # 312 TFLOP/s, 794.5 of the H100's 989 (the H200 "the same"; one H200 measured here ran 8192³ at 768).
 A100_BEST_MATMUL_SHARE, H100_BEST_MATMUL_SHARE = 271.2 / 312, 794.5 / 989
 MAMF_SOURCE = ("Bekman, 'Machine Learning Engineering Open Book', compute/accelerator/README.md, 'Maximum Achievable "

@@ -37,9 +37,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cost import ASSUMPTIONS, flops_per_step, step_time
+from .cost import ASSUMPTIONS, StepTime, flops_per_step, step_time
 from .hardware import find_gpu
 from .job import Job
+from .kernel_times import FAMILIES
 from .mesh import Mesh
 from .model import ModelConfig, preset
 
@@ -321,16 +322,21 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
     return rows
 
 
-def kernel_ceiling(run: PublishedRun, step) -> float:
+def kernel_ceiling(run: PublishedRun, step: StepTime) -> float:
     """The run's metric if its step were its kernels alone: no communication, bubble or optimizer."""
     return getattr(step, run.metric) * step.total_s / step.compute_s
 
 
 def best_kernels_ceiling(run: PublishedRun) -> float:
-    """kernel_ceiling with every matmul at its GPU's best measured rate, whatever the shape (a shape factor of 1)."""
+    """kernel_ceiling with no matmul slower than its GPU's best measured rate, whatever the shape (a shape factor
+    of 1; one that waits on memory still does). For the catalogue's GPUs: their attention has its own benchmarks
+    (kernel_times.FLASH_TFLOPS), where another GPU's would take matmul_half_dim too, and a measured GEMM grid
+    (calibration) would ignore the share."""
     gpu = find_gpu(run.gpu)
+    if gpu.matmul_grid or gpu.name.split()[0] not in FAMILIES:
+        raise ValueError(f"best_kernels_ceiling: {gpu.name} is not one of the catalogue's GPUs (hardware.GPUS)")
     best = dataclasses.replace(gpu, matmul_share=gpu.best_matmul_share, matmul_half_dim=0.0)
-    return kernel_ceiling(run, step_time(dataclasses.replace(run.job, gpu=best), **run.assumptions))
+    return kernel_ceiling(run, step_time(run.job.replace(gpu=best), **run.assumptions))
 
 
 def above_ceiling_why(row: dict) -> str:

@@ -77,7 +77,8 @@ class Job:
     fused_norm: bool = True               # False: RMSNorm as F.rms_norm on the CPU saves it (fp32 copies)
 
     # the cluster, when the job is costed
-    gpu: str | None = None                # hardware.GPUS' name, e.g. "A100 80GB", "H100 SXM" (or a hardware.GPU)
+    gpu: str | None = None                # hardware.GPUS' name, e.g. "A100 80GB", "H100 SXM"; cost.step_time also
+                                          # takes a hardware.GPU itself (a calibrated machine, a GPU of your own)
     gpus_per_node: int = 8
 
     # ------------------------------------------------------------------------------ what follows from it
