@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .comm import Comm, wire_bytes
 from .cost import step_time
-from .hardware import GPU, Link, matmul_rate
+from .hardware import GPU, Link, fit_matmul_curve, matmul_rate
 from .kernel_times import head_operations, layer_operations, optimizer_operation
 from .model import build, loss_fn, preset
 from .runs.mesh import train_3d, train_3d_job
@@ -211,14 +211,8 @@ def _degenerate_steps(dtype, repeats: int = 31) -> dict:
 
 def _fit_matmul(matmuls, launch_s: float) -> tuple[float, float]:
     """(peak, x_half) of rate = peak · f(m)·f(n)·f(k) that fit the measured rates best in log space."""
-    points = [(m, n, k, 2 * m * n * k / max(seconds - launch_s, 1e-9)) for m, n, k, seconds in matmuls]
-
-    def error(half: float) -> tuple[float, float]:
-        logs = [math.log(rate) - sum(math.log(x / (x + half)) for x in (m, n, k)) for m, n, k, rate in points]
-        mean = sum(logs) / len(logs)
-        return sum((x - mean) ** 2 for x in logs), math.exp(mean)
-    best = min((error(half), half) for half in (2 ** (i / 4) for i in range(41)))   # x_half from 1 to 1,024
-    (_, peak), half = best
+    peak, half, _ = fit_matmul_curve((m, n, k, 2 * m * n * k / max(seconds - launch_s, 1e-9))
+                                     for m, n, k, seconds in matmuls)
     return peak, half
 
 

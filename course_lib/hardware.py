@@ -58,6 +58,9 @@ MATMUL_HALF_DIM = 128
 # Measured on one H200 (labs/kernel_rates.py, labs/results/gpu-1x-nvidia-h200; tests/test_cost.py holds the
 # bands): the GEMMs of a training step (16k tokens × 2k-16k) ran 0.85-1.3 × this curve (8192³: 1.2, the share
 # sits low on purpose); small ones ran below it (128×4096×4096: 0.35, 1024³: 0.2), too few tiles for 132 SMs.
+# Fitted on its GEMMs of step shapes alone (fit_matmul_curve; labs/kernel_rates.matmul_fit), the H200 gives a share
+# of 0.78 with x_half 304, half the curve's rms error: steeper for a small dimension. Not taken: on the published
+# runs it changes nothing overall (205 of 225 within 5 points, as now), and one H200 says nothing of the A100.
 # A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
 # A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
 HBM_SHARE = 0.85
@@ -208,6 +211,24 @@ GEMM_SOURCES = (
 def dimension_factor(x: float, half_dim: float = MATMUL_HALF_DIM) -> float:
     """f(x) = x / (x + half_dim): the share of a large GEMM's rate left by one dimension of size x."""
     return x / (x + half_dim)
+
+
+def fit_matmul_curve(points) -> tuple[float, float, float]:
+    """(rate, half_dim, rms) of  rate · f(m)·f(n)·f(k)  that fit measured GEMMs ((m, n, k, FLOP/s), ...) best by
+    least squares on the logarithm: half_dim searched from 1 to 1,024 in steps of 2^(1/4), the rate then the
+    geometric mean of each point's rate over its shape factors; rms is what is left, in natural log units (0.1:
+    about 10% off). How a measured device (labs/kernel_rates.py, course_lib.calibration) is put on the curve."""
+    points = [(m, n, k, rate) for m, n, k, rate in points]
+    if not points or min(min(point) for point in points) <= 0:
+        raise ValueError(f"fit_matmul_curve: {len(points)} points; it needs some, each dimension and rate > 0")
+
+    def fit(half: float) -> tuple[float, float, float]:
+        logs = [math.log(rate) - sum(math.log(dimension_factor(x, half)) for x in (m, n, k))
+                for m, n, k, rate in points]
+        mean = sum(logs) / len(logs)
+        return math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs)), math.exp(mean), half
+    rms, rate, half = min(fit(2 ** (i / 4)) for i in range(41))
+    return rate, half, rms
 
 
 def matmul_rate(gpu: GPU, m: float, n: float, k: float) -> float:

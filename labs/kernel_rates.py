@@ -8,7 +8,8 @@ ops, this lab's run on one H200 (course_lib.hardware, course_lib.kernel_times). 
 H100, H200) this lab measures the same kernels and puts each measured rate beside the model's:
 
 * matmul, bf16, by shape (M, N, K): 2·M·N·K FLOPs over the time, against hardware.matmul_rate
-  (matmul_share × peak × f(M)·f(N)·f(K));
+  (matmul_share × peak × f(M)·f(N)·f(K)); and the curve's share and half-dimension fitted on this device's GEMMs
+  of step shapes (hardware.fit_matmul_curve), beside the model's;
 * attention, torch's scaled_dot_product_attention forward + backward on each backend (flash, memory-efficient,
   cuDNN), causal or not, by sequence length and head dim, in FlashAttention's own benchmark setting (16k tokens a
   batch, hidden 2,048) and with its FLOP count (3.5 × forward's 4·b·s²·heads·head_dim, half of it causal),
@@ -30,6 +31,7 @@ shown, the model's column says "—". Writes kernel_rates.json and kernel_rates.
 
 import argparse
 import json
+import math
 import re
 import statistics
 import time
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import RESULTS, machine, write_atomically
-from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, matmul_rate
+from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, fit_matmul_curve, matmul_rate
 from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
 from course_lib.runtime.arguments import integer, writable_folder
 
@@ -54,8 +56,8 @@ MODEL_KERNEL = {"flash": "flash", "efficient": "flash", "cudnn": "flash3"}
 GPU_SIZES = {
     # squares, then the shapes of a step: 16k tokens × hidden, and one small dimension (a TP shard, a small batch)
     "matmul": [(n, n, n) for n in (1024, 2048, 4096, 8192, 16384)]
-    + [(16384, d, d) for d in (768, 2048, 4096, 8192)]
-    + [(16384, 4 * d, d) for d in (2048, 4096)]
+    + [(16384, d, d) for d in (768, 1024, 1536, 2048, 4096, 8192)]
+    + [(16384, 4 * d, d) for d in (768, 2048, 4096)]
     + [(16384, 128, 4096), (16384, 512, 4096), (128, 4096, 4096), (512, 4096, 4096), (16384, 4096, 128)],
     "attention_seq": (512, 2048, 8192, 16384), "attention_head_dim": (64, 128), "attention_tokens": 16384,
     "attention_hidden": 2048, "elements": 16384 * 8192, "vocab": 32768, "adam_params": 64 * 2**20,
@@ -97,6 +99,26 @@ def seconds(work, dev: torch.device, repeats: int, warmup: int = 3) -> float:
             work()
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def step_shape(m: int, n: int, k: int) -> bool:
+    """A GEMM of a training step: thousands of tokens (m ≥ 4,096) by weights at least 512 wide. The smaller ones
+    measured here are latency- or tile-bound (a TP shard's sliver, a tiny batch), which the curve does not claim."""
+    return m >= 4096 and min(n, k) >= 512
+
+
+def matmul_fit(rows: list[dict], gpu) -> dict | None:
+    """hardware.fit_matmul_curve on this device's GEMMs of step shapes: the share of the peak and half-dimension
+    that describe it best, beside the model's (None without a catalogue GPU or with fewer than 3 such shapes)."""
+    points = [(*row["shape"], row["measured"] * 1e12) for row in rows if row["kind"] == "matmul"
+              and step_shape(*row["shape"])]
+    if gpu is None or len(points) < 3:
+        return None
+    rate, half, rms = fit_matmul_curve(points)
+    model_logs = [math.log(measured / matmul_rate(gpu, m, n, k)) for m, n, k, measured in points]
+    return {"shapes": len(points), "share": rate / gpu.peak_flops, "half_dim": half, "rms_log_error": rms,
+            "model_share": gpu.matmul_share, "model_half_dim": gpu.matmul_half_dim,
+            "model_rms_log_error": math.sqrt(sum(x * x for x in model_logs) / len(model_logs))}
 
 
 def measure_matmuls(sizes, dev, dtype, gpu, repeats) -> list[dict]:
@@ -278,13 +300,18 @@ def main(argv=None):
     rows += measure_memory_bound(sizes, dev, dtype, gpu, args.repeats)
     rows.append(measure_launch(dev, gpu))
     print(table(rows))
+    fit = matmul_fit(rows, gpu)
+    if fit:
+        print(f"GEMMs of step shapes ({fit['shapes']}), fitted: {fit['share']:.2f} of the peak, half-dimension "
+              f"{fit['half_dim']:.0f} (rms {fit['rms_log_error']:.3f} in log); the model's: {fit['model_share']:.2f}, "
+              f"{fit['model_half_dim']:.0f} (rms {fit['model_rms_log_error']:.3f})")
     for c in checks:
         found = (f"max |Δ| / max |value| {c['max_relative_diff']:.1e} (bound {c['bound']:g})" if c["available"]
                  else f"not available here ({c['why']})")
         print(f"attention {c['backend']} vs math in float64: {found}")
     record = {"device_name": device_name, "model_gpu": gpu.name if gpu else None, "dtype": "bf16" if on_gpu else "fp32",
               "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
-              "attention_checks": checks, "rows": rows, "seconds": time.perf_counter() - start,
+              "attention_checks": checks, "rows": rows, "matmul_fit": fit, "seconds": time.perf_counter() - start,
               "date": time.strftime("%Y-%m-%d", time.gmtime())}
     write_atomically(args.out / "kernel_rates.json", json.dumps(record, indent=1))
     plot(rows, f"{device_name}: kernel rates" + (f" vs the model's {gpu.name}" if gpu else ""),

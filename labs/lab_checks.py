@@ -228,6 +228,11 @@ def check_kernel_rates(r: dict) -> list[tuple]:
         else:
             model = f"{rows[0]['model']:.3g} {unit}" if rows[0]["model"] else "—"
             checks.append((f"{kind}: {rows[0]['name']}", model, f"{rows[0]['measured']:.3g} {unit}", "info"))
+    fit = r.get("matmul_fit")           # absent in records written before the lab fitted it
+    if fit:
+        checks.append((f"matmul curve fitted on {fit['shapes']} step shapes: share of the peak, half-dimension",
+                       f"{fit['model_share']:.2f}, {fit['model_half_dim']:.0f} (rms {fit['model_rms_log_error']:.2f})",
+                       f"{fit['share']:.2f}, {fit['half_dim']:.0f} (rms {fit['rms_log_error']:.2f})", "info"))
     return checks
 
 

@@ -2,6 +2,7 @@
 formulas it must equal, the 6ND rule beside it, every term of step_time by hand, the roofline, and the model's
 MFU against published training runs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,17 @@ from course_lib.cost import (
     roofline,
     six_nd,
 )
-from course_lib.hardware import GPU, GPUS, HBM_SHARE, KERNEL_LAUNCH_S, LINKS, Link, find_gpu, matmul_rate
+from course_lib.hardware import (
+    GPU,
+    GPUS,
+    HBM_SHARE,
+    KERNEL_LAUNCH_S,
+    LINKS,
+    Link,
+    find_gpu,
+    fit_matmul_curve,
+    matmul_rate,
+)
 from course_lib.kernel_times import STREAM_SHARE, attention_rate
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
@@ -448,6 +459,20 @@ def test_a_tiny_model_is_launch_bound():
     step = costed(preset("tiny"), Mesh(), gpu="A100 80GB", seq_len=64, micro_batch_size=8, num_microbatches=1)
     assert all(op.bound == "launch" for op in step.operations)
     assert step.mfu < 0.01
+
+
+def test_the_matmul_curve_fit_recovers_a_curve_and_refuses_no_points():
+    """fit_matmul_curve on GEMMs drawn from the curve itself (a half-dimension on its search grid) gives back its
+    rate and half-dimension with nothing left over; off the grid, the nearest point and a small rms."""
+    gpu = dataclasses.replace(GPUS["H100 SXM"], matmul_share=0.7, matmul_half_dim=256.0)
+    shapes = [(16384, d, d) for d in (512, 768, 1024, 2048, 4096, 8192)] + [(4096, 4096, 4096), (16384, 8192, 2048)]
+    rate, half, rms = fit_matmul_curve((*shape, matmul_rate(gpu, *shape)) for shape in shapes)
+    assert half == pytest.approx(256) and rate == pytest.approx(0.7 * gpu.peak_flops) and rms < 1e-9
+    off_grid = dataclasses.replace(gpu, matmul_half_dim=300.0)
+    rate, half, rms = fit_matmul_curve((*shape, matmul_rate(off_grid, *shape)) for shape in shapes)
+    assert half == pytest.approx(2 ** 8.25) and 0 < rms < 0.01
+    with pytest.raises(ValueError, match="it needs some"):
+        fit_matmul_curve([])
 
 
 H200_KERNELS = REPO / "labs" / "results" / "gpu-1x-nvidia-h200" / "kernel_rates.json"

@@ -242,6 +242,26 @@ def test_a_wrong_attention_kernel_fails_and_rates_beside_a_model_show_their_rati
 H200_RESULTS = REPO / "labs" / "results" / "gpu-1x-nvidia-h200"
 
 
+def test_the_h200s_gemms_put_on_the_curve():
+    """kernel_rates.matmul_fit on the committed H200 run (its record predates the fit): the curve fitted on its
+    GEMMs of step shapes (thousands of tokens by weights at least 512 wide) has a higher share and a larger
+    half-dimension than the model's, stays under the best rate a search over shapes found (MAMF), and sits closer
+    to the measurements than the model's own curve; lab_checks shows it beside the model's."""
+    import kernel_rates
+    import lab_checks
+
+    record = json.loads((H200_RESULTS / "kernel_rates.json").read_text())
+    gpu = kernel_rates.catalogue_gpu(record["device_name"])
+    fit = kernel_rates.matmul_fit(record["rows"], gpu)
+    assert fit["shapes"] == 10 and gpu.matmul_share < fit["share"] < gpu.best_matmul_share    # 0.78 when written
+    assert 2 * gpu.matmul_half_dim < fit["half_dim"] < 3 * gpu.matmul_half_dim                # 304
+    assert fit["rms_log_error"] < 0.6 * fit["model_rms_log_error"]                            # 0.075 against 0.136
+    assert kernel_rates.matmul_fit(record["rows"], None) is None                             # no model to compare
+    fitted = lab_checks.check_kernel_rates({**record, "matmul_fit": fit})[-1]
+    assert fitted == ("matmul curve fitted on 10 step shapes: share of the peak, half-dimension",
+                      "0.67, 128 (rms 0.14)", "0.78, 304 (rms 0.07)", "info")
+
+
 def test_the_committed_h200_results_name_their_machine_and_pass_todays_checks():
     report = json.loads((H200_RESULTS / "check_gpu.json").read_text())
     assert report["run"] == "GPU check" and report["machine"]["name"] == "1 × NVIDIA H200 (140 GiB)"
