@@ -59,8 +59,9 @@ MATMUL_HALF_DIM = 128
 # bands): the GEMMs of a training step (16k tokens × 2k-16k) ran 0.85-1.3 × this curve (8192³: 1.2, the share
 # sits low on purpose); small ones ran below it (128×4096×4096: 0.35, 1024³: 0.2), too few tiles for 132 SMs.
 # Fitted on its GEMMs of step shapes alone (fit_matmul_curve; labs/kernel_rates.matmul_fit), the H200 gives a share
-# of 0.78 with x_half 304, half the curve's rms error: steeper for a small dimension. Not taken: on the published
-# runs it changes nothing overall (205 of 225 within 5 points, as now), and one H200 says nothing of the A100.
+# of 0.78 with x_half 304, about half the curve's rms error: steeper for a small dimension. Not taken: on the
+# published runs it does no better (for H100 and H200: 204 of 225 within 5 points, against 205), and one H200 says
+# nothing of the A100.
 # A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
 # A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
 HBM_SHARE = 0.85
