@@ -44,10 +44,11 @@ from pathlib import Path
 import torch
 from lab_checks import KERNELS, Check, lab_checks, size
 
-from common import RESULTS, cpu_model, write_atomically
+from common import RESULTS, cpu_model
 from course_lib import device, launch
 from course_lib.comm import BUS_FACTOR, Comm, CostModel
 from course_lib.runtime.arguments import writable_folder
+from course_lib.runtime.files import write_atomically
 
 LABS_DIR = Path(__file__).resolve().parent
 REPO = LABS_DIR.parent
@@ -397,11 +398,11 @@ def main():
     report = {"run": run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine,
               "seconds": time.perf_counter() - start, "bandwidth_ranks": bandwidth_ranks, "bandwidth": bandwidth,
               "labs": labs, "checks": [asdict(c) for c in checks]}
-    write_atomically(args.out / "check_gpu.json", json.dumps(report, indent=1))
+    write_atomically(args.out / "check_gpu.json", lambda partial: partial.write_text(json.dumps(report, indent=1)))
     kernel_record = args.out / f"{KERNELS}.json"
     ran = any(lab["lab"] == KERNELS and lab["status"] == "ran" for lab in labs)
     kernel_rows = json.loads(kernel_record.read_text())["rows"] if ran and kernel_record.exists() else None
-    write_atomically(args.out / "summary.md", summary(report, kernel_rows))
+    write_atomically(args.out / "summary.md", lambda partial: partial.write_text(summary(report, kernel_rows)))
     print("\n".join(["not measured:"] + not_measured(checks)))
     failed = [c for c in checks if c.verdict == "FAIL"]
     print(f"{len(failed)} of {len(checks)} checks failed; {report['seconds']:.0f} s; wrote {args.out / 'summary.md'}, "

@@ -13,13 +13,13 @@ import gc
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
 
 from course_lib import device
 from course_lib.runtime.arguments import integer, real, writable_folder
+from course_lib.runtime.files import write_atomically
 from course_lib.runtime.launch import nodes
 from course_lib.runtime.workers import check_world_fits
 
@@ -179,28 +179,11 @@ def run_info(args) -> dict:
 
 
 def write_record(args, name: str, record: dict) -> Path:
-    """Write ``record`` with run_info to ``args.out``/``name``.json (write_atomically) and return the path."""
+    """Write ``record`` with run_info to ``args.out``/``name``.json (atomically) and return the path."""
     path = args.out / f"{name}.json"
-    write_atomically(path, json.dumps({**record, **run_info(args)}, indent=1))
+    text = json.dumps({**record, **run_info(args)}, indent=1)
+    write_atomically(path, lambda partial: partial.write_text(text))
     return path
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: to a temporary file beside it, flushed to disk, then renamed over the
-    old file, so a full disk or a kill leaves the previous file whole, never a cut one (os.replace is atomic on one
-    file system)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False) as out:
-        try:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        except BaseException:
-            out.close()
-            os.unlink(out.name)
-            raise
-    os.replace(out.name, path)
 
 
 def model_overrides(args) -> dict:

@@ -41,10 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import RESULTS, machine, write_atomically
+from common import RESULTS, machine
 from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, fit_matmul_curve, matmul_rate
 from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
 from course_lib.runtime.arguments import integer, writable_folder
+from course_lib.runtime.files import write_atomically
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -313,7 +314,7 @@ def main(argv=None):
               "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
               "attention_checks": checks, "rows": rows, "matmul_fit": fit, "seconds": time.perf_counter() - start,
               "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    write_atomically(args.out / "kernel_rates.json", json.dumps(record, indent=1))
+    write_atomically(args.out / "kernel_rates.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     plot(rows, f"{device_name}: kernel rates" + (f" vs the model's {gpu.name}" if gpu else ""),
          args.out / "kernel_rates.png")
     print(f"{record['seconds']:.0f} s; wrote {args.out / 'kernel_rates.json'} and kernel_rates.png")

@@ -3,9 +3,6 @@ right parallel step from a wrong one."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 from torch.nn.utils import parameters_to_vector
 
@@ -81,11 +78,3 @@ def average_gradients(model, comm: Comm) -> None:
     for param in model.parameters():
         comm.all_reduce(param.grad)
         param.grad /= comm.size
-
-
-def written_atomically(path: Path, write) -> None:
-    """``write(partial)`` to a temporary name beside ``path``, then renamed to it: a rank killed mid-write (the
-    incidents end in hangs) leaves no cut file under the real name."""
-    partial = path.with_name(f".{path.name}.partial")
-    write(partial)
-    os.replace(partial, path)

@@ -17,7 +17,8 @@ from ...comm import Comm
 from ...data import shard
 from ...model import loss_fn
 from ...pipeline_parallel import make_stage, partition_layers
-from .common import BATCH_SIZE, LR, SEQ_LEN, STEPS, average_gradients, flat, sgd_step, tiny, written_atomically
+from ...runtime.files import write_atomically
+from .common import BATCH_SIZE, LR, SEQ_LEN, STEPS, average_gradients, flat, sgd_step, tiny
 
 RECORD_AFTER_S = 2.0       # uneven_shards' ranks are all waiting well before this: then each dumps its recorder
 
@@ -62,7 +63,7 @@ def dump_flight_recorder(path: Path, world_size: int) -> None:
     groups = {tuple(entry["process_group"]) for entry in dump["entries"]}
     dump["pg_config"] = {name: {"name": name, "desc": desc, "ranks": str(list(range(world_size)))}
                          for name, desc in groups}
-    written_atomically(Path(path), lambda partial: partial.write_bytes(pickle.dumps(dump)))
+    write_atomically(Path(path), lambda partial: partial.write_bytes(pickle.dumps(dump)))
 
 
 def analyze_flight_records(folder: str) -> str:

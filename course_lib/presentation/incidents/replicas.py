@@ -12,6 +12,7 @@ from ...comm import Comm
 from ...data import shard
 from ...ddp import broadcast_parameters
 from ...model import loss_fn
+from ...runtime.files import write_atomically
 from ...tensor_parallel import apply_tp
 from ...zero import ZeroDataParallel
 from .common import (
@@ -24,7 +25,6 @@ from .common import (
     reference,
     sgd_step,
     tiny,
-    written_atomically,
 )
 
 MOMENTUM = 0.9           # the optimizer state a resume must restore: SGD's momentum buffer
@@ -115,9 +115,9 @@ def zero_resume(rank: int, world_size: int, *, root: str, fixed: bool = False, s
 
     model = zero(tiny()[0])
     losses = trained(model, range(steps_before))
-    written_atomically(optimizer_file(folder, rank), lambda partial: torch.save(model.optimizer.state_dict(), partial))
+    write_atomically(optimizer_file(folder, rank), lambda partial: torch.save(model.optimizer.state_dict(), partial))
     if rank == 0:
-        written_atomically(folder / "weights.pt", lambda partial: torch.save(model.module.state_dict(), partial))
+        write_atomically(folder / "weights.pt", lambda partial: torch.save(model.module.state_dict(), partial))
     dist.barrier()
     restarted = tiny()[0]                               # a new process would start here
     restarted.load_state_dict(torch.load(folder / "weights.pt"))
