@@ -22,6 +22,14 @@ after a backward through 640 × 1,280 layers, and 20-72 ms inside the 10× wider
 out on 2026-12-03: a 16 MB reduce-scatter or all-gather took the same into freshly allocated buffers as into reused
 ones (no page faults to blame), and the same after streaming 96 MB through memory as after small matmuls; the
 same call's mean moved by a quarter between two runs a minute apart (20 vs 29 ms), more than either.
+
+The pipeline's sends are priced as the course's executor posts them: asynchronous, a stage waits for its input and
+never for its own sends (step_time's pipeline_sends="async": only the hops on the schedule's chain of waits; the
+"blocking" default charges two a micro-batch and a bubble on top, which over-predicted the tiny 1F1B run by 1.2-1.5×).
+Timed on 2026-12-04 in the tiny run (each op's start against the end of the op that fed it): a hop took 0.1-0.4 ms,
+one in eight 2.4-2.8 ms, where the calibration's exchange (each rank sends and receives at once and waits for both)
+fits α = 1.2-1.6 ms; and a stage's micro-batch took 3.5-3.9 ms, against 2.7 ms alone and 2.8 ms beside another
+process computing the same: an op that starts after a wait runs slower. The model misses both, in opposite senses.
 """
 
 import time

@@ -342,9 +342,10 @@ def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: i
     """cost.step_time on this machine against its own live runs, which it never saw. ``runs``: a name -> train_3d's
     keywords (a layout: dp, tp, pp, zero_stage, num_microbatches, 1 unless given; anything else changes the tiny
     model, e.g. hidden=640), each priced as the Job train_3d runs (runs.mesh.train_3d_job), in fp32 on gloo, with
-    no overlap (the course's wrappers wait for each collective). Each run is measured after each calibration round
-    (the median of its steps after the first, on its slowest rank), so that a slow spell of a shared machine meets
-    both; its figure is the median over rounds. Returns the calibrated machine and, per run, its "run",
+    no overlap (the course's wrappers wait for each collective) and the pipeline's sends asynchronous (its
+    executor waits for a stage's input, never for its own sends: step_time's pipeline_sends="async"). Each run is
+    measured after each calibration round (the median of its steps after the first, on its slowest rank), so that
+    a slow spell of a shared machine meets both; its figure is the median over rounds. Returns the calibrated machine and, per run, its "run",
     "predicted_s", "measured_s", "ratio" (predicted / measured) and "measured_rounds_s" (each round's figure: how
     steady the machine was)."""
     check_whole("steps", steps, low=2)                           # the first step is a warm-up, left out
@@ -362,7 +363,8 @@ def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: i
     rows = []
     for name, job in jobs.items():
         job = job.replace(dtype="fp32", gpu=machine, gpus_per_node=world_size)
-        predicted, real = step_time(job).total_s, statistics.median(measured[name])
+        predicted = step_time(job, pipeline_sends="async").total_s
+        real = statistics.median(measured[name])
         rows.append({"run": name, "predicted_s": predicted, "measured_s": real, "ratio": predicted / real,
                      "measured_rounds_s": tuple(measured[name])})
     return machine, rows

@@ -61,8 +61,19 @@ last stage also runs the final norm, the head and the loss):
   pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
              per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
              (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
-             it), else a. pp_overlap = 1: asynchronous sends, hidden; 0: the course's executor, which waits.
+             it), else a. That is ``pipeline_sends="blocking"``: a stage waits for its own sends as for its
+             receives (Megatron-LM's send_forward_recv_backward and the like), so every hop is on its busy
+             time. pp_overlap = 1: hidden (Llama 3's asynchronous point-to-point, as its paper states).
   bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v)
+             ``pipeline_sends="async"`` (the course's executor; torch.distributed.pipelining's): a send
+             completes in the background and a stage waits only for its input, so a hop costs time only where
+             the schedule's chain of waits runs through it: with balanced stages, 1F1B's steady state crosses
+             2(p-1)/p hops a micro-batch (1 at p = 2, where "blocking" counts 2); where the other stages wait
+             for a slower one (the last, with the head), hops shorter than that slack hide in it and only the
+             fill and the drain, 2(p-1) hops, are paid. Both terms then come from pipeline_parallel.simulate's
+             timeline of job.schedule (each stage's forward a third of its micro-batch's compute + tp, backward
+             two thirds; every message (1 - pp_overlap)·(α + a_pp/β) late): pp_s = its makespan less the
+             makespan with instant messages, bubble_s = that less m·busy.
   dp_s      = DP traffic of the busiest stage, group by group (per_rank.data_parallel_traffic: each group on
              its own link, gradients of the convention's reduce bytes, weights of the dtype's): ZeRO 0
              all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the updated weights;
@@ -100,7 +111,7 @@ from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
 from .per_rank import data_parallel_state_bytes, data_parallel_traffic, layers_per_rank
-from .pipeline_parallel import bubble_fraction, partition_layers
+from .pipeline_parallel import bubble_fraction, partition_layers, simulate
 from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
 
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
@@ -201,23 +212,32 @@ class StepTime:
         return {**terms, "overhead": self.overhead_s} if self.overhead_s else terms
 
 
-ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather")
+ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
+               "pipeline_sends")
+PIPELINE_SENDS = ("blocking", "async")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
-              scatter_gather: bool = False) -> StepTime:
+              scatter_gather: bool = False, pipeline_sends: str = "blocking") -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
-    communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends.
+    communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
+    whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async").
     The formulas: the module docstring's part 2."""
+    if pipeline_sends not in PIPELINE_SENDS:
+        raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
                        tp_overlap=tp_overlap)
     m = job.num_microbatches
     stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather)
     compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
-    stalled = bubble_fraction(job.mesh.pp, job.num_chunks * m)   # 1F1B's idle share, interleaved over v chunks
-    bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
+    if pipeline_sends == "async" and job.mesh.pp > 1:
+        pipeline, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
+        pp = pipeline / m                                       # per micro-batch, as the blocking term
+    else:
+        stalled = bubble_fraction(job.mesh.pp, job.num_chunks * m)   # 1F1B's idle share, interleaved over v chunks
+        bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
     # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
     # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
     held = job.replace(num_chunks=1, schedule="1f1b")
@@ -237,6 +257,17 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                            "pp": link_for(job.mesh.size, job.gpus_per_node, hw).name, "dp": dp_link},
                     optimizer_s=optimizer, operations=operations,
                     achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead)
+
+
+def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]:
+    """(pp_s, bubble_s) of a pipeline whose sends complete in the background (module docstring, part 2): the
+    makespan of job.schedule's timeline with every message ``hop_s`` late less the same timeline with instant
+    messages, and that less the busiest stage's own work."""
+    work = [compute + tp for compute, tp, *_ in stages]          # each stage's micro-batch
+    makespans = [simulate(job.schedule, job.mesh.pp, job.num_microbatches, [w / 3 for w in work],
+                          [2 * w / 3 for w in work], latency_s, num_chunks=job.num_chunks).makespan
+                 for latency_s in (hop_s, 0.0)]
+    return makespans[0] - makespans[1], makespans[1] - job.num_microbatches * max(work)
 
 
 def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:

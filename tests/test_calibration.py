@@ -123,7 +123,7 @@ def test_live_runs_of_one_step_are_refused_before_the_calibration_starts(monkeyp
 
 def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
     """The run and its price take the same keywords and defaults (one micro-batch unless given): the Job priced
-    is train_3d's own, on the calibrated machine."""
+    is train_3d's own, on the calibrated machine, its pipeline's sends asynchronous as the course's executor's."""
     launched, priced = [], []
 
     def fake_launch(fn, world_size, **keywords):
@@ -135,11 +135,14 @@ def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
         return GPUS["A100 80GB"]
     monkeypatch.setattr(calibration, "launch", fake_launch)
     monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
-    monkeypatch.setattr(calibration, "step_time", lambda job: priced.append(job) or step_time(job))
+    assumed = []
+    monkeypatch.setattr(calibration, "step_time", lambda job, **assumptions: priced.append(job)
+                        or assumed.append(assumptions) or step_time(job, **assumptions))
     _, rows = calibration.check_live_runs({"ZeRO-3": dict(dp=2, zero_stage=3), "PP": dict(pp=2, num_microbatches=4)},
                                           batch_size=8, seq_len=32)
     assert [run["num_microbatches"] for run in launched] == [1, 4]
     assert [(job.mesh.dp, job.mesh.pp, job.zero_stage) for job in priced] == [(2, 1, 3), (1, 2, None)]
     assert [(job.micro_batch_size, job.num_microbatches, job.seq_len) for job in priced] == [(4, 1, 32), (2, 4, 32)]
     assert all(job.dtype == "fp32" and job.gpu is GPUS["A100 80GB"] and job.gpus_per_node == 2 for job in priced)
+    assert assumed == [{"pipeline_sends": "async"}] * 2       # the course's executor never waits for its sends
     assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.5, (0.5,)), (0.5, (0.5,))]

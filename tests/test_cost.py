@@ -295,6 +295,30 @@ def test_overlaps_hide_what_they_can():
     assert overlapped.dp_s == pytest.approx(max(0.0, fsdp.dp_comm_s - fsdp.compute_s), abs=1e-12)
 
 
+def test_asynchronous_sends_cost_only_the_hops_on_the_schedules_chain():
+    """pipeline_sends="async" (the course's executor: a stage waits for its input, never for its own sends).
+    "blocking" puts two hops on every micro-batch of every stage, and the bubble on top. Asynchronous, a hop costs
+    time only where the chain of waits runs through it: on llama2-7b the last stage also runs the head, so the
+    others have slack to wait in, and only the first micro-batch's trip down and its gradient's trip back up,
+    2(p - 1) hops, are paid. On the tiny model the hops outlast that slack and more of them are paid, never more
+    than "blocking" charges."""
+    for name, kw in (("llama2-7b", dict(seq_len=4096)), ("tiny", dict(seq_len=64, gpus_per_node=1))):
+        config = preset(name)
+        kw.update(gpu="A100 80GB", micro_batch_size=1, zero_stage=0)
+        for p, m in ((2, 2), (2, 8), (4, 4), (4, 16)):
+            blocking = costed(config, Mesh(pp=p), num_microbatches=m, **kw)
+            asynchronous = costed(config, Mesh(pp=p), num_microbatches=m, pipeline_sends="async", **kw)
+            hop = blocking.pp_s / (2 * m)                       # "blocking": one down, one up, per micro-batch
+            if name == "llama2-7b":
+                assert asynchronous.pp_s == pytest.approx(2 * (p - 1) * hop, rel=1e-6)
+            else:
+                assert 2 * (p - 1) * hop * (1 - 1e-9) <= asynchronous.pp_s < blocking.pp_s
+                assert m == p or asynchronous.pp_s > 2 * (p - 1) * hop * 1.1
+            assert asynchronous.compute_s == blocking.compute_s and asynchronous.total_s < blocking.total_s
+    with pytest.raises(ValueError, match="pipeline_sends='sometimes'"):
+        costed(config, Mesh(pp=2), num_microbatches=2, pipeline_sends="sometimes", **kw)
+
+
 def test_bad_input_is_refused():
     config, mesh = preset("llama2-7b"), Mesh(dp=2, tp=2, pp=2)
     kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=4)
