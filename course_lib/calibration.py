@@ -345,9 +345,9 @@ def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: i
     no overlap (the course's wrappers wait for each collective) and the pipeline's sends asynchronous (its
     executor waits for a stage's input, never for its own sends: step_time's pipeline_sends="async"). Each run is
     measured after each calibration round (the median of its steps after the first, on its slowest rank), so that
-    a slow spell of a shared machine meets both; its figure is the median over rounds. Returns the calibrated machine and, per run, its "run",
-    "predicted_s", "measured_s", "ratio" (predicted / measured) and "measured_rounds_s" (each round's figure: how
-    steady the machine was)."""
+    a slow spell of a shared machine meets both; its figure is the median over rounds. Returns the calibrated
+    machine and, per run, its "run", "predicted_s", "measured_s", "ratio" (predicted / measured) and
+    "measured_rounds_s" (each round's figure: how steady the machine was)."""
     check_whole("steps", steps, low=2)                           # the first step is a warm-up, left out
     runs = {name: {"num_microbatches": 1, **keywords} for name, keywords in runs.items()}
     jobs = {name: train_3d_job(world_size, batch_size=batch_size, seq_len=seq_len, **keywords)
