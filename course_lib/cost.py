@@ -95,7 +95,7 @@ last stage also runs the final norm, the head and the loss):
 
 Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
 
-3. a roofline for one layer (see roofline). 4. The published runs live in course_lib.published
+3. a roofline for one layer: kernel_times.roofline. 4. The published runs live in course_lib.published
 (compare_published), which builds on this module.
 """
 
@@ -108,7 +108,6 @@ from .hardware import GPU, collective_link, find_gpu, link_for, ring_latency, sp
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
-from .mesh import Mesh
 from .model import ModelConfig, param_count_formula
 from .per_rank import data_parallel_state_bytes, data_parallel_traffic, layers_per_rank
 from .pipeline_parallel import bubble_fraction, partition_layers, simulate
@@ -408,40 +407,3 @@ def _updated_params(job: Job, stage: int) -> int:
     """The parameters one GPU of ``stage`` updates: its shard of the optimizer state, in parameters."""
     per_param = CONVENTIONS[job.state_convention].optimizer_bytes
     return data_parallel_state_bytes(job, stage)["optimizer"] // per_param
-
-
-# ------------------------------------------------------------------------------------------- 3. roofline
-
-def roofline(config: ModelConfig, gpu, *, micro_batch_size: int, seq_len: int, tp: int = 1,
-             bytes_per_element: int = 2) -> dict:
-    """Arithmetic intensity of one layer's matmuls on one of ``tp`` GPUs, against the GPU's ridge point.
-
-    A matmul [T, k] × [k, n] (T = micro_batch_size·seq_len tokens) does 2·T·k·n FLOPs and moves at least
-    (T·k + k·n + T·n) · bytes_per_element bytes through HBM (read both operands, write the result once).
-    intensity = FLOPs / bytes; ridge = peak / HBM bandwidth. Below the ridge the matmul waits on memory (its
-    time is bytes / bandwidth), above it on compute (FLOPs / peak). The attention core is counted as a fused
-    kernel (FlashAttention, torch's SDPA): it reads q, k, v and writes the output, never the s×s scores.
-    Returns {"rows": [{name, flops, bytes, intensity, bound, seconds}], "intensity" (the layer's), "ridge",
-    "bound"}. In bf16, large T: intensity → k·n/(k + n) FLOPs per byte, compute-bound; one token
-    (decoding): just under 1, memory-bound on every GPU here (ridge points 150 to 300 FLOPs per byte).
-    """
-    hw = find_gpu(gpu)
-    Mesh(tp=tp).check_model(config)
-    tokens, d, e = micro_batch_size * seq_len, config.hidden, bytes_per_element
-    q_width, kv_width = config.num_heads * config.head_dim // tp, config.num_kv_heads * config.head_dim // tp
-    shapes = {"q_proj": (d, q_width), "k_proj": (d, kv_width), "v_proj": (d, kv_width), "o_proj": (q_width, d),
-              "gate_proj": (d, config.intermediate // tp), "up_proj": (d, config.intermediate // tp),
-              "down_proj": (config.intermediate // tp, d)}
-    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e) for name, (k, n) in shapes.items()}
-    attention = forward_terms(config, batch_size=micro_batch_size, seq_len=seq_len)
-    core = (attention["attention scores"] + attention["attention values"]) // (config.num_layers * tp)
-    work["attention core"] = (core, tokens * (2 * q_width + 2 * kv_width) * e)
-    rows = []
-    for name, (flops, nbytes) in work.items():
-        intensity = flops / nbytes
-        rows.append({"name": name, "flops": flops, "bytes": nbytes, "intensity": intensity,
-                     "bound": "compute" if intensity >= hw.ridge_point else "memory",
-                     "seconds": max(flops / hw.peak_flops, nbytes / hw.hbm_bytes_per_s)})
-    layer = sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
-    return {"rows": rows, "intensity": layer, "ridge": hw.ridge_point,
-            "bound": "compute" if layer >= hw.ridge_point else "memory"}

@@ -47,6 +47,9 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
 Not here: the embedding's lookup and its gradient (T·d·e bytes each way, on the first stage), hidden dropout,
 fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step).
+
+roofline(config, gpu, ...): the same idea for teaching, one layer's matmuls and fused attention core at the dense
+peak, each one's intensity against the GPU's ridge point.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .eager_traffic import head_traffic, layer_traffic
-from .hardware import GPU, dimension_factor, matmul_rate
+from .hardware import GPU, dimension_factor, find_gpu, matmul_rate
+from .mesh import Mesh
 
 ATTENTION = ("flash", "flash3", "triton", "unfused")
 
@@ -297,3 +301,37 @@ def summed(ops: list[Operation]) -> dict[str, float]:
     for op in ops:
         out[op.bound] += op.seconds
     return out
+
+
+def roofline(config, gpu, *, micro_batch_size: int, seq_len: int, tp: int = 1,
+             bytes_per_element: int = 2) -> dict:
+    """Arithmetic intensity of one layer's matmuls on one of ``tp`` GPUs, against the GPU's ridge point.
+
+    A matmul [T, k] × [k, n] (T = micro_batch_size·seq_len tokens) does 2·T·k·n FLOPs and moves at least
+    (T·k + k·n + T·n) · bytes_per_element bytes through HBM (read both operands, write the result once).
+    intensity = FLOPs / bytes; ridge = peak / HBM bandwidth. Below the ridge the matmul waits on memory (its
+    time is bytes / bandwidth), above it on compute (FLOPs / peak). The attention core is counted as a fused
+    kernel (FlashAttention, torch's SDPA): it reads q, k, v and writes the output, never the s×s scores.
+    Returns {"rows": [{name, flops, bytes, intensity, bound, seconds}], "intensity" (the layer's), "ridge",
+    "bound"}. In bf16, large T: intensity → k·n/(k + n) FLOPs per byte, compute-bound; one token
+    (decoding): just under 1, memory-bound on every GPU here (ridge points 150 to 300 FLOPs per byte).
+    """
+    hw = find_gpu(gpu)
+    Mesh(tp=tp).check_model(config)
+    tokens, d, e = micro_batch_size * seq_len, config.hidden, bytes_per_element
+    q_width, kv_width = config.num_heads * config.head_dim // tp, config.num_kv_heads * config.head_dim // tp
+    shapes = {"q_proj": (d, q_width), "k_proj": (d, kv_width), "v_proj": (d, kv_width), "o_proj": (q_width, d),
+              "gate_proj": (d, config.intermediate // tp), "up_proj": (d, config.intermediate // tp),
+              "down_proj": (config.intermediate // tp, d)}
+    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e) for name, (k, n) in shapes.items()}
+    core = 2 * 2 * micro_batch_size * config.num_heads // tp * seq_len**2 * config.head_dim   # QKᵀ and AV, in full
+    work["attention core"] = (core, tokens * (2 * q_width + 2 * kv_width) * e)
+    rows = []
+    for name, (flops, nbytes) in work.items():
+        intensity = flops / nbytes
+        rows.append({"name": name, "flops": flops, "bytes": nbytes, "intensity": intensity,
+                     "bound": "compute" if intensity >= hw.ridge_point else "memory",
+                     "seconds": max(flops / hw.peak_flops, nbytes / hw.hbm_bytes_per_s)})
+    layer = sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
+    return {"rows": rows, "intensity": layer, "ridge": hw.ridge_point,
+            "bound": "compute" if layer >= hw.ridge_point else "memory"}

@@ -13,12 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import REPO, costed
-from course_lib.cost import (
-    flops_per_step,
-    forward_terms,
-    roofline,
-    six_nd,
-)
+from course_lib.cost import flops_per_step, forward_terms, six_nd
 from course_lib.hardware import (
     GPU,
     GPUS,
@@ -30,7 +25,7 @@ from course_lib.hardware import (
     fit_matmul_curve,
     matmul_rate,
 )
-from course_lib.kernel_times import STREAM_SHARE, attention_rate
+from course_lib.kernel_times import STREAM_SHARE, attention_rate, roofline
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
 from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
