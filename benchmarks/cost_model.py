@@ -30,6 +30,11 @@ Timed on 2026-12-04 in the tiny run (each op's start against the end of the op t
 one in eight 2.4-2.8 ms, where the calibration's exchange (each rank sends and receives at once and waits for both)
 fits α = 1.2-1.6 ms; and a stage's micro-batch took 3.5-3.9 ms, against 2.7 ms alone and 2.8 ms beside another
 process computing the same: an op that starts after a wait runs slower. The model misses both, in opposite senses.
+The 10× wider runs come out 5-14% low: a stage of two of its layers took 66-68 ms a micro-batch alone, against 62
+predicted, its torch.mm calls 62 ms against 56. Two weight-gradient GEMMs, [1,280 × 128] × [128 × 640] and
+[640 × 128] × [128 × 1,280], ran at 67-70 GFLOP/s there, as in one isolated test of the first, where other
+isolated tests of the same shapes, and of widths 1,152 or 1,024, ran at 110: the rate depends on where the buffers
+lie (cache sets shared by their rows), which no grid of shapes can capture, nor measuring each shape alone.
 """
 
 import time

@@ -6,7 +6,7 @@ is measured, by every rank at once as the runs will run (2 ranks on 2 cores: one
 a degenerate model, never on the runs the model then predicts:
 
     matmul     torch.mm in the run's dtype, a weight's three GEMMs (forward, and backward's two with a transposed
-               operand) on every shape of a grid, m, n, k each 16 to 1,024: the rate of each shape is what
+               operand, as autograd runs nn.Linear's) on every shape of a grid, m, n, k each 16 to 1,024: the rate of each shape is what
                kernel_times charges all three, 3·2mnk / (their seconds - a launch each); step_time reads a shape
                between the grid's points (hardware.grid_rate). A CPU's rate is no smooth curve of the shape: it
                peaks where the operands fit its caches, and need not rise beyond.
@@ -155,13 +155,13 @@ def _seconds_after_compute(work, comm: Comm, repeats: int = 30, warmup: int = 3,
 
 
 def _gemms(m: int, k: int, n: int, dtype) -> list[tuple[int, int, int, float]]:
-    """A weight's three GEMMs as kernel_times counts them, each (m, n, k, seconds): forward [m, k] × [k, n], the
-    input's gradient [m, n] × [n, k] and the weight's [k, m] × [m, n], each with a transposed operand as backward
-    has them (the weight's and the input's transposes are views, not copies)."""
+    """A weight's three GEMMs as kernel_times counts them, each (m, n, k, seconds) of an [m, k] × [k, n]: forward
+    [m, k] × [k, n], the input's gradient [m, n] × [n, k] and the weight's [n, m] × [m, k], as autograd runs an
+    nn.Linear's (its weight stored [n, k]; the transposes are views, not copies)."""
     x, w, dy = (torch.randn(rows, cols, dtype=dtype) for rows, cols in ((m, k), (n, k), (m, n)))
     return [(m, n, k, _seconds(lambda: torch.mm(x, w.t()), repeats=7)),
             (m, k, n, _seconds(lambda: torch.mm(dy, w), repeats=7)),
-            (k, n, m, _seconds(lambda: torch.mm(x.t(), dy), repeats=7))]
+            (n, k, m, _seconds(lambda: torch.mm(dy.t(), x), repeats=7))]
 
 
 def _adam_seconds(numel: int, dtype) -> float:

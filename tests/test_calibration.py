@@ -23,7 +23,7 @@ def made_up_measurements(peak=80e9, half=20.0, alpha=300e-6, beta=1e9, launch_s=
     matmuls = []       # a weight's three GEMMs, in calibration._gemms' order, each at the forward shape's rate
     for m, k, n in ((m, k, n) for m in sizes for k in sizes for n in sizes):
         seconds = launch_s + 2 * m * n * k / rate(m, n, k)
-        matmuls += [(m, n, k, seconds), (m, k, n, seconds), (k, n, m, seconds)]
+        matmuls += [(m, n, k, seconds), (m, k, n, seconds), (n, k, m, seconds)]
     attention = []
     for h_d in calibration.ATTENTION_HEAD_DIMS:
         flops = 3.5 * 4 * 8 * 64 * 64 * h_d * 0.5
