@@ -6,10 +6,10 @@ is measured, by every rank at once as the runs will run (2 ranks on 2 cores: one
 a degenerate model, never on the runs the model then predicts:
 
     matmul     torch.mm in the run's dtype, a weight's three GEMMs (forward, and backward's two with a transposed
-               operand, as autograd runs nn.Linear's) on every shape of a grid, m, n, k each 16 to 1,024: the rate of each shape is what
-               kernel_times charges all three, 3·2mnk / (their seconds - a launch each); step_time reads a shape
-               between the grid's points (hardware.grid_rate). A CPU's rate is no smooth curve of the shape: it
-               peaks where the operands fit its caches, and need not rise beyond.
+               operand, as autograd runs nn.Linear's) on every shape of a grid, m, n, k each 16 to 1,024: the rate
+               of each shape is what kernel_times charges all three, 3·2mnk / (their seconds - a launch each);
+               step_time reads a shape between the grid's points (hardware.grid_rate). A CPU's rate is no smooth
+               curve of the shape: it peaks where the operands fit its caches, and need not rise beyond.
                For the attention's fit and for describe(), peak and x_half of rate = peak · f(m)·f(n)·f(k),
                f(x) = x / (x + x_half), fitted by least squares on log(rate)
     attention  torch's SDPA, causal, forward + backward, 64 tokens, head dims 8 to 128: its rate as a share of

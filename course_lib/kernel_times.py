@@ -7,9 +7,9 @@ Every kernel is limited by one of three things, and takes the longest of them:
 A matmul [M, K] × [K, N] does 2·M·K·N FLOPs and moves at least (M·K + K·N + M·N) · e bytes (read both operands,
 write the result once; e bytes per element). Its rate is not the dense peak: hardware.matmul_rate gives the
 share a GEMM of that shape reaches (published benchmarks, hardware.GEMM_SOURCES: large GEMMs ~75% of an A100's
-peak, ~67% of an H100's, less when a dimension is small). Backward runs two more GEMMs of the same three dimensions, dX and dW:
-three GEMMs per weight matrix in all (four where recomputation reruns it: every one under "full"; k, o and up
-under "op", torchtitan's per-op policy).
+peak, ~67% of an H100's, less when a dimension is small). Backward runs two more GEMMs of the same three
+dimensions, dX and dW: three GEMMs per weight matrix in all (four where recomputation reruns it: every one
+under "full"; k, o and up under "op", torchtitan's per-op policy).
 
 The operations that no FLOP formula counts (MFU leaves them out, see cost.py) are memory-bound: a few FLOPs per
 element against hundreds of FLOPs per byte at the ridge. Their bytes, per token on one of t GPUs (r = 1/t with
@@ -263,7 +263,8 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]
     rows = T // t if sequence_parallel else T
     ops.append(elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun))
-    ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e), block_rerun))
+    ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e),
+                           block_rerun))
     ops.append(elementwise("SwiGLU products", gpu, 3 * T * mlp_width * e * experts,
                            5 * T * mlp_width * e * experts, 2 / e, block_rerun))
     return ops

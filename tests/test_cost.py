@@ -422,7 +422,8 @@ def test_a_mixture_of_experts_costs_the_flops_of_its_active_experts():
     moe = forward_terms(mixtral, batch_size=1, seq_len=128)
     dense = forward_terms(preset("mixtral-8x7b", num_experts=0), batch_size=1, seq_len=128)
     assert moe["mlp"] == 2 * dense["mlp"] and moe["router"] == 32 * 2 * 128 * 4096 * 8
-    assert {k: v for k, v in moe.items() if k not in ("mlp", "router")} == {k: v for k, v in dense.items() if k != "mlp"}
+    assert ({k: v for k, v in moe.items() if k not in ("mlp", "router")}
+            == {k: v for k, v in dense.items() if k != "mlp"})
 
 
 # ------------------------------------------------------------------------------- time per operation
