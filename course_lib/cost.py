@@ -63,18 +63,21 @@ last stage also runs the final norm, the head and the loss):
              per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
              (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
              it), else a. That is ``pipeline_sends="blocking"``: a stage waits for its own sends as for its
-             receives (Megatron-LM's send_forward_recv_backward and the like), so every hop is on its busy
-             time. pp_overlap = 1: hidden (Llama 3's asynchronous point-to-point, as its paper states).
-  bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v)
-             ``pipeline_sends="async"`` (the course's executor; torch.distributed.pipelining's): a send
-             completes in the background and a stage waits only for its input, so a hop costs time only where
-             the schedule's chain of waits runs through it: with balanced stages, 1F1B's steady state crosses
-             2(p-1)/p hops a micro-batch (1 at p = 2, where "blocking" counts 2); where the other stages wait
-             for a slower one (the last, with the head), hops shorter than that slack hide in it and only the
-             fill and the drain, 2(p-1) hops, are paid. Both terms then come from pipeline_parallel.simulate's
-             timeline of job.schedule (each stage's forward a third of its micro-batch's compute + tp, backward
-             two thirds; every message (1 - pp_overlap)·(α + a_pp/β) late): pp_s = its makespan less the
-             makespan with instant messages, bubble_s = that less m·busy.
+             receives (Megatron-LM's send_forward_recv_backward and the like; torch's Schedule1F1B waits on
+             each send batched with its next receive), so every hop is on its busy time. pp_overlap = 1:
+             hidden (Llama 3's asynchronous point-to-point, as its paper states).
+  bubble_s  = busy · (p-1)/(v·m),  busy = compute_s + tp_s + pp_s (bubble_fraction, interleaved over v; 1F1B's
+             for every schedule: "blocking" does not model ZB-H1's smaller bubble)
+             ``pipeline_sends="async"`` (the course's executor): a send completes in the background and a
+             stage waits only for its input, so a hop costs time only where the schedule's chain of waits runs
+             through it: with balanced stages, 1F1B's steady state crosses 2(p-1)/p hops a micro-batch (1 at
+             p = 2, where "blocking" counts 2); where the other stages wait for a slower one (the last, with the
+             head), hops shorter than that slack hide in it, and 1F1B, GPipe and interleaved 1F1B pay only the
+             fill and the drain, 2(p-1) hops. Both terms then come from pipeline_parallel.simulate's timeline of
+             job.schedule, its own bubble included (ZB-H1's too): each stage's forward a third of its
+             micro-batch's compute + tp, backward two thirds (an approximation: recomputation and TP's
+             collectives shift it), every message (1 - pp_overlap)·(α + a_pp/β) late; pp_s = its makespan less
+             the makespan with instant messages, bubble_s = that less m × the busiest stage's compute + tp.
   dp_s      = DP traffic of the busiest stage, group by group (per_rank.data_parallel_traffic: each group on
              its own link, gradients of the convention's reduce bytes, weights of the dtype's): ZeRO 0
              all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the updated weights;
@@ -233,8 +236,8 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather)
     compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
-        pipeline, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
-        pp = pipeline / m                                       # per micro-batch, as the blocking term
+        exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
+        pp = exposed_sends_s / m                                # per micro-batch, as the blocking term
     else:
         stalled = bubble_fraction(job.mesh.pp, job.num_chunks * m)   # 1F1B's idle share, interleaved over v chunks
         bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
@@ -264,10 +267,12 @@ def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]
     makespan of job.schedule's timeline with every message ``hop_s`` late less the same timeline with instant
     messages, and that less the busiest stage's own work."""
     work = [compute + tp for compute, tp, *_ in stages]          # each stage's micro-batch
-    makespans = [simulate(job.schedule, job.mesh.pp, job.num_microbatches, [w / 3 for w in work],
-                          [2 * w / 3 for w in work], latency_s, num_chunks=job.num_chunks).makespan
-                 for latency_s in (hop_s, 0.0)]
-    return makespans[0] - makespans[1], makespans[1] - job.num_microbatches * max(work)
+
+    def makespan(latency_s: float) -> float:
+        return simulate(job.schedule, job.mesh.pp, job.num_microbatches, [w / 3 for w in work],
+                        [2 * w / 3 for w in work], latency_s, num_chunks=job.num_chunks).makespan
+    with_hops, instant = makespan(hop_s), makespan(0.0)
+    return with_hops - instant, instant - job.num_microbatches * max(work)
 
 
 def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:

@@ -3,6 +3,7 @@ formulas it must equal, the 6ND rule beside it, every term of step_time by hand,
 MFU against published training runs."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -292,24 +293,39 @@ def test_overlaps_hide_what_they_can():
 
 def test_asynchronous_sends_cost_only_the_hops_on_the_schedules_chain():
     """pipeline_sends="async" (the course's executor: a stage waits for its input, never for its own sends).
-    "blocking" puts two hops on every micro-batch of every stage, and the bubble on top. Asynchronous, a hop costs
-    time only where the chain of waits runs through it: on llama2-7b the last stage also runs the head, so the
-    others have slack to wait in, and only the first micro-batch's trip down and its gradient's trip back up,
-    2(p - 1) hops, are paid. On the tiny model the hops outlast that slack and more of them are paid, never more
-    than "blocking" charges."""
+    "blocking" puts two hops on every micro-batch (and chunk) of every stage, and the bubble on top.
+    Asynchronous, a hop costs time only where the chain of waits runs through it: on llama2-7b the last stage
+    also runs the head, so the others have slack to wait in, and only the first micro-batch's trip down and its
+    gradient's trip back up, 2(p - 1) hops, are paid, by 1F1B, GPipe and interleaved 1F1B alike. On the tiny
+    model the hops outlast that slack and 1F1B's waits cross more of them (GPipe's forwards, back to back, still
+    cross each boundary once each way: notebook 05's hand-offs); hops and bubble never cost more than
+    "blocking" charges."""
+    schedules = {"1f1b": {}, "gpipe": {}, "interleaved": dict(num_chunks=2)}
     for name, kw in (("llama2-7b", dict(seq_len=4096)), ("tiny", dict(seq_len=64, gpus_per_node=1))):
         config = preset(name)
         kw.update(gpu="A100 80GB", micro_batch_size=1, zero_stage=0)
-        for p, m in ((2, 2), (2, 8), (4, 4), (4, 16)):
-            blocking = costed(config, Mesh(pp=p), num_microbatches=m, **kw)
-            asynchronous = costed(config, Mesh(pp=p), num_microbatches=m, pipeline_sends="async", **kw)
-            hop = blocking.pp_s / (2 * m)                       # "blocking": one down, one up, per micro-batch
-            if name == "llama2-7b":
+        for (p, m), (schedule, chunks) in itertools.product(((2, 2), (2, 8), (4, 4), (4, 16)), schedules.items()):
+            if p * chunks.get("num_chunks", 1) > config.num_layers:
+                continue                                         # the tiny model's 4 layers: 4 stages × 2 chunks
+            layout = dict(num_microbatches=m, schedule=schedule, **chunks, **kw)
+            blocking = costed(config, Mesh(pp=p), **layout)
+            asynchronous = costed(config, Mesh(pp=p), pipeline_sends="async", **layout)
+            hop = blocking.pp_s / (2 * m * chunks.get("num_chunks", 1))   # "blocking": one down, one up each
+            if name == "llama2-7b" or schedule == "gpipe":       # GPipe: once down, once back, whatever m
                 assert asynchronous.pp_s == pytest.approx(2 * (p - 1) * hop, rel=1e-6)
             else:
-                assert 2 * (p - 1) * hop * (1 - 1e-9) <= asynchronous.pp_s < blocking.pp_s
+                assert 2 * (p - 1) * hop * (1 - 1e-9) <= asynchronous.pp_s
                 assert m == p or asynchronous.pp_s > 2 * (p - 1) * hop * 1.1
-            assert asynchronous.compute_s == blocking.compute_s and asynchronous.total_s < blocking.total_s
+            assert (asynchronous.pp_s + asynchronous.bubble_s < blocking.pp_s + blocking.bubble_s
+                    and asynchronous.compute_s == blocking.compute_s)
+            assert asynchronous.total_s == pytest.approx(sum(asynchronous.breakdown().values()), rel=1e-12)
+            hidden = costed(config, Mesh(pp=p), pipeline_sends="async", pp_overlap=1.0, **layout)
+            assert hidden.pp_s == 0 and hidden.bubble_s == pytest.approx(asynchronous.bubble_s, rel=1e-12)
+    # the timeline is the schedule's own: ZB-H1's W ops fill the drain ((p-1)/(3m+p-1) against 1F1B's (p-1)/(m+p-1))
+    zb = dict(num_microbatches=8, schedule="zb-h1", gpu="A100 80GB", seq_len=4096, micro_batch_size=1, zero_stage=0)
+    llama = preset("llama2-7b")
+    assert (costed(llama, Mesh(pp=4), pipeline_sends="async", **zb).bubble_s
+            < 0.5 * costed(llama, Mesh(pp=4), **zb).bubble_s)
     with pytest.raises(ValueError, match="pipeline_sends='sometimes'"):
         costed(config, Mesh(pp=2), num_microbatches=2, pipeline_sends="sometimes", **kw)
 
