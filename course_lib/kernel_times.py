@@ -211,6 +211,16 @@ def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) ->
                      bound, sum(p.kernels for p in parts))
 
 
+def weight_widths(config, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """Each weight of a layer as its GEMM [tokens, k] × [k, n] sees it on one of ``tp`` GPUs: (k, n) by name (the
+    heads and the MLP split over tp)."""
+    d, h_d = config.hidden, config.head_dim
+    q_width, kv_width, mlp_width = (config.num_heads * h_d // tp, config.num_kv_heads * h_d // tp,
+                                    config.intermediate // tp)
+    return {"q_proj": (d, q_width), "k_proj": (d, kv_width), "v_proj": (d, kv_width), "o_proj": (q_width, d),
+            "gate_proj": (d, mlp_width), "up_proj": (d, mlp_width), "down_proj": (mlp_width, d)}
+
+
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
                      causal: bool = True, bytes_per_element: int = 2) -> list[Operation]:
@@ -231,10 +241,10 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
 
     def passes(name):
         return 4 if name in rerun else 3
-    ops = [matmul(name, gpu, T, k, n, e, passes(name)) for name, k, n in (
-        ("q_proj", d, q_width), ("k_proj", d, kv_width), ("v_proj", d, kv_width), ("o_proj", q_width, d))]
-    ops += [matmul(name, gpu, T, k, n, e, passes(name)).times(experts)
-            for name, k, n in (("gate_proj", d, mlp_width), ("up_proj", d, mlp_width), ("down_proj", mlp_width, d))]
+    widths = weight_widths(config, t)
+    ops = [matmul(name, gpu, T, *widths[name], e, passes(name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    ops += [matmul(name, gpu, T, *widths[name], e, passes(name)).times(experts)
+            for name in ("gate_proj", "up_proj", "down_proj")]
     heads = b * config.num_heads // t
     core_again = recompute in ("selective", "full")
     if attention != "unfused":
@@ -319,12 +329,10 @@ def roofline(config, gpu, *, micro_batch_size: int, seq_len: int, tp: int = 1,
     """
     hw = find_gpu(gpu)
     Mesh(tp=tp).check_model(config)
-    tokens, d, e = micro_batch_size * seq_len, config.hidden, bytes_per_element
+    tokens, e = micro_batch_size * seq_len, bytes_per_element
     q_width, kv_width = config.num_heads * config.head_dim // tp, config.num_kv_heads * config.head_dim // tp
-    shapes = {"q_proj": (d, q_width), "k_proj": (d, kv_width), "v_proj": (d, kv_width), "o_proj": (q_width, d),
-              "gate_proj": (d, config.intermediate // tp), "up_proj": (d, config.intermediate // tp),
-              "down_proj": (config.intermediate // tp, d)}
-    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e) for name, (k, n) in shapes.items()}
+    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e)
+            for name, (k, n) in weight_widths(config, tp).items()}
     core = 2 * 2 * micro_batch_size * config.num_heads // tp * seq_len**2 * config.head_dim   # QKᵀ and AV, in full
     work["attention core"] = (core, tokens * (2 * q_width + 2 * kv_width) * e)
     rows = []
