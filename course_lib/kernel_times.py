@@ -32,18 +32,23 @@ fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above move 5
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
-* "flash" (FlashAttention-2, torch's SDPA flash backend), "flash3" (FlashAttention-3, H100/H200 only) and
-  "triton" (the Triton FlashAttention that MPT runs for ALiBi): one fused kernel that never writes the s×s
-  scores. It reads q, k, v and writes o (backward reads q, k, v, o, dO and writes dq, dk, dv). A causal kernel
-  skips the masked blocks: it runs half of the square that cost.flops_per_step counts (MFU keeps the whole
-  square, as Megatron-LM does), and backward runs 2.5 times forward's matmul work (it recomputes QKᵀ). Its rate
-  is read from the kernel's own published benchmark (attention_rate: FLASH_TFLOPS, by GPU, causal or not, head
-  dim and sequence length), not from any training run.
+* "flash" (FlashAttention-2, torch's SDPA flash backend), "flash3" (FlashAttention-3, H100/H200 only),
+  "efficient" (xformers' memory-efficient kernel: torch's SDPA memory-efficient backend) and "triton" (the
+  Triton FlashAttention that MPT runs for ALiBi): one fused kernel that never writes the s×s scores. It reads
+  q, k, v and writes o (backward reads q, k, v, o, dO and writes dq, dk, dv). A causal kernel skips the masked
+  blocks: it runs half of the square that cost.flops_per_step counts (MFU keeps the whole square, as Megatron-LM
+  does), and backward runs 2.5 times forward's matmul work (it recomputes QKᵀ). Its rate is read from the
+  kernel's own published benchmark (attention_rate: FLASH_TFLOPS, by GPU, causal or not, head dim and sequence
+  length), not from any training run.
 * "unfused" (Megatron-LM's GPT layer before FlashAttention, as in Narayanan et al. 2021 and Korthikanti et al.
   2022): QKᵀ and AV are batched GEMMs [s, h_d] × [h_d, s] and [s, s] × [s, h_d] on the whole square, and
   between them a fused scale-mask-softmax and the attention dropout pass the s×s scores through HBM:
   forward (4e + 1) bytes per score (softmax reads and writes them, dropout reads them and writes them and a
-  1-byte mask), backward (5e + 1). GPT-3's learned positions need no rotary.
+  1-byte mask), backward (5e + 1), each pass at a copy's rate (Megatron's fused kernels have no published
+  benchmark). GPT-3's learned positions need no rotary. Against a benchmark of standard attention it was not
+  shaped on (the FlashAttention-2 figures' "Pytorch" bars, 512 to 8k tokens: tests/test_cost.py), the same
+  batched GEMMs and the passes torch makes there (softmax, and a causal mask added) run 1.1-1.4 times faster
+  than measured on the A100, 1.3-1.8 on the H100: torch's softmax streams the scores well below a copy's rate.
 
 Not here: the embedding's lookup and its gradient (T·d·e bytes each way, on the first stage), hidden dropout,
 fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step).
@@ -62,7 +67,7 @@ from .eager_traffic import head_traffic, layer_traffic
 from .hardware import GPU, dimension_factor, find_gpu, matmul_rate
 from .mesh import Mesh
 
-ATTENTION = ("flash", "flash3", "triton", "unfused")
+ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
 
 # Forward + backward TFLOP/s of the attention kernels, FLOPs counted as their authors count them (a causal
 # kernel's half square; backward 2.5 × forward: 3.5 × forward in all), at sequence lengths FLASH_SEQ (batch
@@ -72,7 +77,11 @@ ATTENTION = ("flash", "flash3", "triton", "unfused")
 #   H100 "flash": the README's assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5);
 #   H100 "flash3": FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Fig. 5 (forward) and Fig. 6 (backward,
 #     measured non-causal only; the causal backward taken as the non-causal one × causal/non-causal forward,
-#     an assumption), combined as 3.5 / (1/forward + 2.5/backward).
+#     an assumption), combined as 3.5 / (1/forward + 2.5/backward);
+#   A100 "efficient": the same A100 figure's "xformers" bars (xformers' cutlass kernel, which torch's SDPA
+#     memory-efficient backend is); H100 "efficient": no published figure, so the A100's ratio to FlashAttention-2
+#     at each point times the H100's FlashAttention-2 bar (an assumption; one H200 ran torch's memory-efficient
+#     backend at 0.79-0.94 of it from 2k tokens on, 0.71-0.80 at 512, as its flash backend ran of the "flash" rows).
 # The bars were read from the figures to ~2%. Beyond 16k tokens the 16k value holds (the curves are flat there);
 # below 512 the 512 value. H200: the H100's (the same Tensor Cores and clock; these kernels are compute-bound).
 # Checked on one H200 (labs/kernel_rates.py; tests/test_cost.py): torch's flash backend ran 0.83-0.98 of the
@@ -99,11 +108,25 @@ FLASH_TFLOPS = {
     ("H100", "flash", True, 64): (141, 192, 232, 257, 273, 284),
     ("H100", "flash", True, 128): (163, 221, 265, 294, 308, 328),
     **{("H100", "flash3", causal, hd): _fa3(causal, hd) for causal in (False, True) for hd in (64, 128)},
+    ("A100", "efficient", False, 64): (68, 73, 76, 77, 75, 75),
+    ("A100", "efficient", False, 128): (83, 91, 95, 96, 97, 98),
+    ("A100", "efficient", True, 64): (51, 60, 66, 68, 69, 67),
+    ("A100", "efficient", True, 128): (58, 72, 82, 87, 91, 92),
 }
-# The Triton FlashAttention (flash_attn_triton, what MPT's ALiBi runs on): "FlashAttention-2 is ... around
-# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the backward pass"
-# (Dao 2023, section 4.1). With forward at 1/1.4 and backward at 1/2 of FlashAttention-2's rate, forward +
-# backward takes (1.4 + 2.5·2) / 3.5 of its time: a rate of 3.5 / 6.4 = 0.55 of its.
+FLASH_TFLOPS.update({("H100", "efficient", causal, hd): tuple(
+    h100 * a100_efficient / a100_flash for h100, a100_efficient, a100_flash in zip(
+        FLASH_TFLOPS["H100", "flash", causal, hd], FLASH_TFLOPS["A100", "efficient", causal, hd],
+        FLASH_TFLOPS["A100", "flash", causal, hd])) for causal in (False, True) for hd in (64, 128)})
+# The Triton FlashAttention: "FlashAttention-2 is ... around 1.3-1.5x faster than FlashAttention in Triton in the
+# forward pass and around 2x faster in the backward pass" (Dao 2023, section 4.1). With forward at 1/1.4 and
+# backward at 1/2 of FlashAttention-2's rate, forward + backward takes (1.4 + 2.5·2) / 3.5 of its time: a rate of
+# 3.5 / 6.4 = 0.55 of its. That Triton kernel is OpenAI's (triton.ops.flash_attention, the "Triton" of
+# flash-attention's benchmarks/benchmark_flash_attention.py); MPT's ALiBi runs on flash_attn_triton, which
+# started from it and added the bias and a faster backward at head dim 128 (its own header: "slightly slower
+# than CUDA", FlashAttention-1's, forward + backward). No benchmark of MPT's kernel is published. The A100
+# figure's own bars for OpenAI's kernel run 0.42-0.68 of FlashAttention-2's by point; priced at those, 136 of
+# llm-foundry's 203 rows land within 5 points (at the flat 0.55, 183), most of them low: MPT's kernel runs
+# nearer FlashAttention-2 than the kernel it started from. The flat ratio is kept, an approximation.
 TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
 FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
 
