@@ -30,15 +30,15 @@ Timed on 2026-12-04 in the tiny run (each op's start against the end of the op t
 one in eight 2.4-2.8 ms, where the calibration's exchange (each rank sends and receives at once and waits for both)
 fits α = 1.2-1.6 ms; and a stage's micro-batch took 3.5-3.9 ms, against 2.7 ms alone and 2.8 ms beside another
 process computing the same: an op that starts after a wait runs slower. The model misses both, in opposite senses.
-The 10× wider runs come out 5-14% low, a little from each part. Measured on 2026-12-04 (each op timed by a torch
+The 10× wider runs come out 5-14% low, most of it in their GEMMs. Measured on 2026-12-04 (each op timed by a torch
 dispatch mode, each collective by course_lib.comm's trace), the DDP run: its GEMMs took 215-218 ms a step against
-the grid's 206 (+4-5%, every shape, the weights' gradients too), its attention 8.1 ms against 7.2, its all-reduce
+the grid's 206 (+4-6%, every shape, the weights' gradients too), its attention 8.1 ms against 7.2, its all-reduce
 44-67 ms (median 52) against 51; ZeRO-3's collectives 110-135 ms against 110. Do not read a kernel's rate from
 torch.profiler here: under it the DDP run with 4 micro-batches faulted 71,609 pages a step (850 without: the ranks
 reuse freed memory, runtime.rank_process) and took 2.5 times as long, and the GEMMs with the largest outputs (the
 MLP's weight gradients, 1,280 × 640) ran at 51-85 GFLOP/s, as an isolated GEMM does into fresh pages (54 at 64
-tokens, 89 at 256, against 98-113 into reused ones). An earlier reading here took that for a placement effect of
-their buffers.
+tokens, the 4-micro-batch run's shape, 89 at 256, one micro-batch's, against 98-113 into reused buffers). An
+earlier reading here took that for a placement effect of their buffers.
 """
 
 import time

@@ -47,7 +47,8 @@ last stage also runs the final norm, the head and the loss):
   compute_s = m · Σ operations' seconds on one GPU of the busiest stage (course_lib.kernel_times: each matmul
              at max(FLOPs / its shape's achievable rate, bytes / HBM), each memory-bound op at bytes / HBM,
              none below its kernel launches; ``attention``: "flash" (FlashAttention-2), "flash3", "efficient",
-             "triton" or "unfused", each fused kernel at its own benchmark's rate, kernel_times.attention_rate).
+             "triton" or "unfused", each fused kernel at its benchmark's rate, read or derived,
+             kernel_times.attention_rate).
              The head is whole on every TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's
              vocab-parallel head).
              ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).

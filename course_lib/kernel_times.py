@@ -34,12 +34,13 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
 * "flash" (FlashAttention-2, torch's SDPA flash backend), "flash3" (FlashAttention-3, H100/H200 only),
   "efficient" (xformers' memory-efficient kernel: torch's SDPA memory-efficient backend) and "triton" (the
-  Triton FlashAttention that MPT runs for ALiBi): one fused kernel that never writes the s×s scores. It reads
-  q, k, v and writes o (backward reads q, k, v, o, dO and writes dq, dk, dv). A causal kernel skips the masked
-  blocks: it runs half of the square that cost.flops_per_step counts (MFU keeps the whole square, as Megatron-LM
-  does), and backward runs 2.5 times forward's matmul work (it recomputes QKᵀ). Its rate is read from the
-  kernel's own published benchmark (attention_rate: FLASH_TFLOPS, by GPU, causal or not, head dim and sequence
-  length), not from any training run.
+  Triton FlashAttention that MPT runs for ALiBi, priced from another Triton kernel's): one fused kernel that
+  never writes the s×s scores. It reads q, k, v and writes o (backward reads q, k, v, o, dO and writes dq, dk,
+  dv). A causal kernel skips the masked blocks: it runs half of the square that cost.flops_per_step counts (MFU
+  keeps the whole square, as Megatron-LM does), and backward runs 2.5 times forward's matmul work (it recomputes
+  QKᵀ). Its rate is read from published kernel benchmarks, or derived from them where none was published
+  (attention_rate; FLASH_TFLOPS and TRITON_VS_FLASH2 say which: by GPU, causal or not, head dim and sequence
+  length), never from a training run.
 * "unfused" (Megatron-LM's GPT layer before FlashAttention, as in Narayanan et al. 2021 and Korthikanti et al.
   2022): QKᵀ and AV are batched GEMMs [s, h_d] × [h_d, s] and [s, s] × [s, h_d] on the whole square, and
   between them a fused scale-mask-softmax and the attention dropout pass the s×s scores through HBM:
@@ -48,7 +49,9 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
   benchmark). GPT-3's learned positions need no rotary. Against a benchmark of standard attention it was not
   shaped on (the FlashAttention-2 figures' "Pytorch" bars, 512 to 8k tokens: tests/test_cost.py), the same
   batched GEMMs and the passes torch makes there (softmax, and a causal mask added) run 1.1-1.4 times faster
-  than measured on the A100, 1.3-1.8 on the H100: torch's softmax streams the scores well below a copy's rate.
+  than measured on the A100, 1.3-1.8 on the H100: most likely torch's softmax streams the scores well below a
+  copy's rate (at half of it the two agree within 17% from 2k tokens on), though slow batched GEMMs of head
+  dim 64 would show the same.
 
 Not here: the embedding's lookup and its gradient (T·d·e bytes each way, on the first stage), hidden dropout,
 fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step).
@@ -80,8 +83,9 @@ ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
 #     an assumption), combined as 3.5 / (1/forward + 2.5/backward);
 #   A100 "efficient": the same A100 figure's "xformers" bars (xformers' cutlass kernel, which torch's SDPA
 #     memory-efficient backend is); H100 "efficient": no published figure, so the A100's ratio to FlashAttention-2
-#     at each point times the H100's FlashAttention-2 bar (an assumption; one H200 ran torch's memory-efficient
-#     backend at 0.79-0.94 of it from 2k tokens on, 0.71-0.80 at 512, as its flash backend ran of the "flash" rows).
+#     at each point times the H100's FlashAttention-2 bar (_derived_efficient, an assumption: one H200 ran torch's
+#     memory-efficient backend at 0.79-0.94 of these rows from 2k tokens on, 0.71-0.80 at 512, much as its flash
+#     backend ran of the "flash" rows).
 # The bars were read from the figures to ~2%. Beyond 16k tokens the 16k value holds (the curves are flat there);
 # below 512 the 512 value. H200: the H100's (the same Tensor Cores and clock; these kernels are compute-bound).
 # Checked on one H200 (labs/kernel_rates.py; tests/test_cost.py): torch's flash backend ran 0.83-0.98 of the
@@ -113,29 +117,39 @@ FLASH_TFLOPS = {
     ("A100", "efficient", True, 64): (51, 60, 66, 68, 69, 67),
     ("A100", "efficient", True, 128): (58, 72, 82, 87, 91, 92),
 }
-FLASH_TFLOPS.update({("H100", "efficient", causal, hd): tuple(
-    h100 * a100_efficient / a100_flash for h100, a100_efficient, a100_flash in zip(
-        FLASH_TFLOPS["H100", "flash", causal, hd], FLASH_TFLOPS["A100", "efficient", causal, hd],
-        FLASH_TFLOPS["A100", "flash", causal, hd])) for causal in (False, True) for hd in (64, 128)})
+
+
+def _derived_efficient(causal: bool, head_dim: int) -> tuple:
+    """The H100's memory-efficient kernel: its FlashAttention-2 bar × the A100's efficient / FlashAttention-2."""
+    keys = [(family, kernel, causal, head_dim) for family, kernel in (("H100", "flash"), ("A100", "efficient"),
+                                                                       ("A100", "flash"))]
+    return tuple(h100 * a100_efficient / a100_flash for h100, a100_efficient, a100_flash in
+                 zip(*(FLASH_TFLOPS[key] for key in keys)))
+
+
+FLASH_TFLOPS.update({("H100", "efficient", causal, hd): _derived_efficient(causal, hd)
+                     for causal in (False, True) for hd in (64, 128)})
 # The Triton FlashAttention: "FlashAttention-2 is ... around 1.3-1.5x faster than FlashAttention in Triton in the
 # forward pass and around 2x faster in the backward pass" (Dao 2023, section 4.1). With forward at 1/1.4 and
 # backward at 1/2 of FlashAttention-2's rate, forward + backward takes (1.4 + 2.5·2) / 3.5 of its time: a rate of
-# 3.5 / 6.4 = 0.55 of its. That Triton kernel is OpenAI's (triton.ops.flash_attention, the "Triton" of
-# flash-attention's benchmarks/benchmark_flash_attention.py); MPT's ALiBi runs on flash_attn_triton, which
-# started from it and added the bias and a faster backward at head dim 128 (its own header: "slightly slower
-# than CUDA", FlashAttention-1's, forward + backward). No benchmark of MPT's kernel is published. The A100
-# figure's own bars for OpenAI's kernel run 0.42-0.68 of FlashAttention-2's by point; priced at those, 136 of
-# llm-foundry's 203 rows land within 5 points (at the flat 0.55, 183), most of them low: MPT's kernel runs
-# nearer FlashAttention-2 than the kernel it started from. The flat ratio is kept, an approximation.
+# 3.5 / 6.4 = 0.55 of its. That Triton kernel is OpenAI's, Phil Tillet's tutorial kernel as triton.ops packages
+# it (triton.ops.flash_attention, the "Triton" of flash-attention's benchmark scripts, the A100 figure's
+# "FlashAttention Triton" bars). MPT's ALiBi runs on flash_attn_triton, which started from Tillet's kernel and
+# added the bias and a faster backward at head dim 128 (its header: "slightly slower than CUDA", FlashAttention-1's,
+# forward + backward). No benchmark of MPT's kernel is published. The figure's bars for OpenAI's kernel run
+# 0.42-0.68 of FlashAttention-2's by point; priced at those, 136 of llm-foundry's 203 rows land within 5 points
+# (at the flat 0.55, 183), most of them low: MPT's kernel runs nearer FlashAttention-2 than the kernel it started
+# from. The flat ratio is kept, an approximation.
 TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
 FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
 
 
 def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: bool = True) -> float:
     """FLOP/s of a fused attention kernel forward + backward (FLOPs as its authors count them: FLASH_TFLOPS):
-    its published benchmark, interpolated in log(sequence length) and in head dim between 64 and 128 (clamped
-    outside). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes attention_share × peak
-    × f(s) × f(head dim) (hardware.dimension_factor)."""
+    its row of FLASH_TFLOPS (published, or derived where none was: the table's comment says which; Triton's at
+    TRITON_VS_FLASH2 of FlashAttention-2's), interpolated in log(sequence length) and in head dim between 64 and
+    128 (clamped outside). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes
+    attention_share × peak × f(s) × f(head dim) (hardware.dimension_factor)."""
     family = FAMILIES.get(gpu.name.split()[0])
     base = "flash" if kernel == "triton" else kernel
     if kernel == "flash3" and family != "H100":

@@ -189,7 +189,8 @@ LLM_FOUNDRY_ASSUMED = ("MPT's shapes from llm-foundry's yamls (its 4d GeLU MLP a
                        "FLOPs; LayerNorm as RMSNorm); attention: MPT's ALiBi runs only on its Triton or torch "
                        "attention, not FlashAttention-2 (llm-foundry's configuration_mpt: 'alibi only implemented "
                        "with torch and triton attention'): the Triton FlashAttention, at the rate FlashAttention-2's "
-                       "paper states against it ('triton', kernel_times.TRITON_VS_FLASH2); activation "
+                       "paper states against OpenAI's Triton kernel, which MPT's started from (an approximation: no "
+                       "benchmark of MPT's is published; 'triton', kernel_times.TRITON_VS_FLASH2); activation "
                        "checkpointing 'True' as full recomputation; H100 as the SXM card; resharded after forward "
                        "(FSDP's default); FSDP's traffic counted exposed (FSDP_OVERLAP)")
 LLM_FOUNDRY_FILE = Path(__file__).with_name("published_data") / "llm_foundry.csv"

@@ -87,7 +87,7 @@ def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_anot
     assert (within_5(torchtitan_runs(), 0.5), within_5(torchtitan_runs(), FSDP_OVERLAP)) == (2, 6)
 
 
-def test_attention_runs_at_its_own_benchmarks_rate():
+def test_attention_runs_at_its_benchmarks_rate():
     """kernel_times.attention_rate reads the kernel's published figure (FlashAttention-2 on A100, causal, head
     dim 128: 189 TFLOP/s at 16k tokens, 155 at 2k), between them in log(s), flat beyond; H200 as the H100;
     Triton's at 3.5/6.4 of FlashAttention-2's; the memory-efficient kernel at the same A100 figure's xformers bar
