@@ -48,10 +48,10 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
   1-byte mask), backward (5e + 1), each pass at a copy's rate (Megatron's fused kernels have no published
   benchmark). GPT-3's learned positions need no rotary. Against a benchmark of standard attention it was not
   shaped on (the FlashAttention-2 figures' "Pytorch" bars, 512 to 8k tokens: tests/test_cost.py), the same
-  batched GEMMs and the passes torch makes there (softmax, and a causal mask added) run 1.1-1.4 times faster
-  than measured on the A100, 1.3-1.8 on the H100: most likely torch's softmax streams the scores well below a
-  copy's rate (at half of it the two agree within 17% from 2k tokens on), though slow batched GEMMs of head
-  dim 64 would show the same.
+  batched GEMMs and the passes torch makes there (standard_attention) run 1.1-1.4 times faster than measured on
+  the A100, 1.3-1.8 on the H100: most likely torch's softmax streams the scores well below a copy's rate (at
+  half of it the two agree within 17% from 2k tokens on), though batched GEMMs slower than the model's curve
+  would show the same (labs/kernel_rates.py times standard attention on a GPU).
 
 Not here: the embedding's lookup and its gradient (T·d·e bytes each way, on the first stage), hidden dropout,
 fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step).
@@ -237,6 +237,20 @@ def elementwise(name: str, gpu: GPU, forward_bytes: float, backward_bytes: float
     bound = max(("memory", "launch"), key=lambda kind: sum(p.seconds for p in parts if p.bound == kind))
     return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound, len(parts))
 
+
+def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int, causal: bool = True
+                       ) -> list[Operation]:
+    """Attention as plain PyTorch writes it (FlashAttention's benchmark scripts' attention_pytorch), for ``heads``
+    (batch × heads) of one sequence length, forward + backward: QKᵀ and AV as batched GEMMs on the whole square,
+    and the s×s scores through HBM at a copy's rate: softmax (forward reads and writes them, backward reads two
+    and writes one) and, causal, the mask added (read, write). Not Megatron's layer ("unfused" above, whose fused
+    softmax and dropout move other bytes): the model's primitives on kernels a benchmark published
+    (tests/test_cost.py) and labs/kernel_rates.py measures on a GPU."""
+    scores = heads * seq_len * seq_len
+    return [matmul("attention scores QKᵀ", gpu, seq_len, head_dim, seq_len, e, 3, batch=heads),
+            matmul("attention values AV", gpu, seq_len, seq_len, head_dim, e, 3, batch=heads),
+            elementwise("softmax" + (" + causal mask" if causal else ""), gpu, scores * 2 * e * (2 if causal else 1),
+                        scores * 3 * e, 1.0, False)]
 
 def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) -> Operation:
     """Memory-bound ops as eager PyTorch runs them, counted by eager_traffic: forward, backward (and the forward

@@ -8,8 +8,9 @@
 2. Bus bandwidth of all-reduce, all-gather and reduce-scatter, as nccl-tests measure it, 1 MiB to 1 GiB over
    every GPU (one rank per GPU, NCCL): per size, the mean time of 20 back-to-back ops after 5 warm-up ones
    (the slowest rank's), algbw = bytes / time, busbw = algbw × the ring factor (course_lib/comm.py).
-3. Kernel rates (labs/kernel_rates.py, one process on GPU 0): matmul by shape, attention by backend, sequence
-   and head dim, memory-bound ops and a launch, measured beside the step-time model's constants for that GPU.
+3. Kernel rates (labs/kernel_rates.py, one process on GPU 0): matmul by shape, attention by backend (and as plain
+   PyTorch writes it), sequence and head dim, memory-bound ops and a launch, measured beside the step-time
+   model's constants for that GPU.
 4. Every lab, started by torchrun on as many GPUs as it can use (one rank per GPU), at a size that shows its
    effect and for a few steps, then checked from the JSON it wrote: against one process (parity), against the
    formula (bytes, bubbles, state), against torch's own (weights, and the step-time ratio, shown as info: a

@@ -14,7 +14,9 @@ H100, H200) this lab measures the same kernels and puts each measured rate besid
   cuDNN), causal or not, by sequence length and head dim, in FlashAttention's own benchmark setting (16k tokens a
   batch, hidden 2,048) and with its FLOP count (3.5 × forward's 4·b·s²·heads·head_dim, half of it causal),
   against kernel_times.attention_rate (FLASH_TFLOPS: FlashAttention-2's and -3's published figures, and
-  xformers' memory-efficient kernel's in FlashAttention-2's A100 figure);
+  xformers' memory-efficient kernel's in FlashAttention-2's A100 figure); and standard attention as plain
+  PyTorch writes it (FlashAttention's benchmark's attention_pytorch, up to 8k tokens: the scores' square must
+  fit), against kernel_times.standard_attention, the parts the model prices Megatron's unfused attention with;
 * memory-bound ops (copy, residual add, RMSNorm, SwiGLU's product, cross-entropy over the logits, fused Adam),
   the bytes they must move over the time, against hbm_share × the datasheet's HBM bandwidth × the op's
   kernel_times.STREAM_SHARE (which one H200's run of this lab gave: on another GPU it checks they carry over);
@@ -44,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import RESULTS, machine
 from course_lib.hardware import GPUS, KERNEL_LAUNCH_S, fit_matmul_curve, matmul_rate
-from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate
+from course_lib.kernel_times import FAMILIES, STREAM_SHARE, attention_rate, standard_attention
 from course_lib.runtime.arguments import integer, writable_folder
 from course_lib.runtime.files import write_atomically
 
@@ -192,6 +194,43 @@ def measure_attention(sizes, dev, dtype, gpu, repeats, backends) -> list[dict]:
     return rows
 
 
+def standard_attention_pass(q, k, v, grad_out, causal):
+    """Standard attention as FlashAttention's benchmark scripts write it (attention_pytorch, dropout 0): the
+    scaled scores by one batched GEMM, a causal mask added, softmax, the values' GEMM; then backward."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    batch, heads, seq_len, head_dim = q.shape
+    scores = torch.baddbmm(torch.empty(batch * heads, seq_len, seq_len, device=q.device, dtype=q.dtype),
+                           q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), beta=0, alpha=head_dim**-0.5)
+    if causal:
+        scores = scores + torch.triu(torch.full((seq_len, seq_len), -10000.0, device=q.device), 1).to(q.dtype)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.flatten(0, 1)).view_as(q)
+    out.backward(grad_out)
+    return out, q.grad, k.grad, v.grad
+
+
+def measure_standard_attention(sizes, dev, dtype, gpu, repeats) -> list[dict]:
+    rows, hidden, tokens = [], sizes["attention_hidden"], sizes["attention_tokens"]
+    for head_dim in sizes["attention_head_dim"]:
+        for seq_len in (s for s in sizes["attention_seq"] if s <= 8192):
+            for causal in (True, False):
+                batch, heads = max(1, tokens // seq_len), hidden // head_dim
+                inputs = attention_inputs(batch, heads, seq_len, head_dim, dev, dtype)
+                flops = 3.5 * 4 * batch * heads * seq_len**2 * head_dim * (0.5 if causal else 1)   # as FA counts
+                try:
+                    time_s = seconds(lambda: standard_attention_pass(*inputs, causal), dev, repeats)
+                except torch.OutOfMemoryError:                 # the s×s scores, several times, on a smaller GPU
+                    print(f"standard s={seq_len} hd={head_dim}: not measured (out of memory)")
+                    torch.cuda.empty_cache()
+                    continue
+                model_s = sum(op.seconds for op in standard_attention(
+                    gpu, batch * heads, seq_len, head_dim, dtype.itemsize, causal)) if gpu else None
+                rows.append({"kind": "attention standard", "name": f"standard {'causal' if causal else 'full'} "
+                             f"s={seq_len} hd={head_dim}", "seq_len": seq_len, "head_dim": head_dim,
+                             "causal": causal, "unit": "TFLOP/s", "measured": flops / time_s / 1e12,
+                             "model": flops / model_s / 1e12 if gpu else None})
+    return rows
+
+
 def measure_memory_bound(sizes, dev, dtype, gpu, repeats) -> list[dict]:
     """Memory-bound ops, each with the bytes it must move (read once, written once): achieved GB/s."""
     n, e, vocab = sizes["elements"], torch.finfo(dtype).bits // 8, sizes["vocab"]
@@ -301,6 +340,7 @@ def main(argv=None):
     usable = [c["backend"] for c in checks if c["available"]]
     rows = measure_matmuls(sizes["matmul"], dev, dtype, gpu, args.repeats)
     rows += measure_attention(sizes, dev, dtype, gpu, args.repeats, usable)
+    rows += measure_standard_attention(sizes, dev, dtype, gpu, args.repeats)
     rows += measure_memory_bound(sizes, dev, dtype, gpu, args.repeats)
     rows.append(measure_launch(dev, gpu))
     print(table(rows))

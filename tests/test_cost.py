@@ -488,26 +488,19 @@ PYTORCH_ATTENTION_TFLOPS = {
 
 
 def test_standard_attention_against_a_benchmark_it_was_not_shaped_on():
-    """The unfused attention's primitives (kernel_times.matmul and elementwise, as layer_operations prices
-    "unfused" with them), for what the benchmark's standard attention runs, not for Megatron's layer (whose
-    fused softmax and dropout move (4e + 1) and (5e + 1) bytes a score): QKᵀ and AV as batched GEMMs on the
-    whole square (matmul_rate), and the passes over the s×s fp16 scores at a copy's rate: softmax (read, write;
-    backward reads two, writes one) and, causal, the mask added (read, write). The model comes out faster than
-    the bars, by 1.1-1.4 on the A100 and 1.3-1.8 on the H100 (the H100's most at 512 tokens): most likely
-    torch's softmax streams below a copy (priced at half a copy's rate they agree within 17% from 2k tokens
-    on). kernel_times' docstring says so; the published rows run Megatron's fused softmax, of which no
-    benchmark is published."""
-    from course_lib.kernel_times import elementwise, matmul
+    """kernel_times.standard_attention: the model's primitives (batched GEMMs at matmul_rate, the passes over the
+    s×s fp16 scores at a copy's rate, as layer_operations prices "unfused" with them) for what the benchmark's
+    standard attention runs, not Megatron's layer. The model comes out faster than the bars, by 1.1-1.4 on the
+    A100 and 1.3-1.8 on the H100 (the H100's most at 512 tokens): most likely torch's softmax streams below a
+    copy (priced at half a copy's rate they agree within 17% from 2k tokens on). kernel_times' docstring says
+    so; the published rows run Megatron's fused softmax, of which no benchmark is published."""
+    from course_lib.kernel_times import standard_attention
     ratios = {}
     for (name, causal, head_dim), bars in PYTORCH_ATTENTION_TFLOPS.items():
-        gpu, e = find_gpu(name), 2
         for seq_len, bar in zip((512, 1024, 2048, 4096, 8192), bars):
             heads = 16384 // seq_len * 2048 // head_dim
-            scores = heads * seq_len**2
-            ops = [matmul("QKᵀ", gpu, seq_len, head_dim, seq_len, e, 3, batch=heads),
-                   matmul("AV", gpu, seq_len, seq_len, head_dim, e, 3, batch=heads),
-                   elementwise("softmax", gpu, scores * 2 * e * (2 if causal else 1), scores * 3 * e, 1.0, False)]
-            flops = 3.5 * 4 * scores * head_dim * (0.5 if causal else 1)
+            ops = standard_attention(find_gpu(name), heads, seq_len, head_dim, 2, causal)
+            flops = 3.5 * 4 * heads * seq_len**2 * head_dim * (0.5 if causal else 1)
             ratios[name, causal, head_dim, seq_len] = flops / sum(op.seconds for op in ops) / (bar * 1e12)
     a100 = [ratio for key, ratio in ratios.items() if key[0] == "A100 80GB"]
     h100 = [ratio for key, ratio in ratios.items() if key[0] == "H100 SXM"]

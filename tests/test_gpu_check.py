@@ -220,12 +220,26 @@ def test_kernel_rates_take_the_catalogue_gpu_of_the_device_name():
     assert check_gpu.gpu_folder(1, "NVIDIA H200") == H200_RESULTS.name     # where the committed results lie
 
 
+def test_the_labs_standard_attention_is_attention():
+    """kernel_rates.standard_attention_pass (plain PyTorch, as FlashAttention's benchmarks write it) gives SDPA's
+    output and gradients in float64, causal or not: the lab times what it says it times."""
+    import kernel_rates
+    q, k, v, grad_out = kernel_rates.attention_inputs(2, 3, 16, 8, torch.device("cpu"), torch.float64)
+    for causal in (True, False):
+        ours = kernel_rates.standard_attention_pass(q, k, v, grad_out, causal)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        sdpa.backward(grad_out)
+        for got, want in zip(ours, [sdpa] + [t.grad for t in leaves]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @on_cpu_only
 @pytest.mark.ranks
 def test_a_wrong_attention_kernel_fails_and_rates_beside_a_model_show_their_ratios(smoke, tmp_path):
     record = json.loads((smoke[0] / "kernel_rates.json").read_text())
     kinds = [row["kind"] for row in record["rows"]]
-    assert {"matmul", "attention flash", "memory-bound", "launch"} <= set(kinds)
+    assert {"matmul", "attention flash", "attention standard", "memory-bound", "launch"} <= set(kinds)
     assert all(row["measured"] > 0 and row["model"] is None for row in record["rows"])    # a CPU: no constants
     flash = "attention flash (out, dq, dk, dv) vs math in float64, max |Δ| / max |value|"
     assert _checks_of("kernel_rates", record, tmp_path)[flash] == "ok"
