@@ -252,6 +252,7 @@ def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int
             elementwise("softmax" + (" + causal mask" if causal else ""), gpu, scores * 2 * e * (2 if causal else 1),
                         scores * 3 * e, 1.0, False)]
 
+
 def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) -> Operation:
     """Memory-bound ops as eager PyTorch runs them, counted by eager_traffic: forward, backward (and the forward
     again when recomputed), each pass its bytes at HBM bandwidth and a launch per op (timed's rule)."""

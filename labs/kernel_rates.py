@@ -223,7 +223,7 @@ def measure_standard_attention(sizes, dev, dtype, gpu, repeats) -> list[dict]:
                     torch.cuda.empty_cache()
                     continue
                 model_s = sum(op.seconds for op in standard_attention(
-                    gpu, batch * heads, seq_len, head_dim, dtype.itemsize, causal)) if gpu else None
+                    gpu, batch * heads, seq_len, head_dim, torch.finfo(dtype).bits // 8, causal)) if gpu else None
                 rows.append({"kind": "attention standard", "name": f"standard {'causal' if causal else 'full'} "
                              f"s={seq_len} hd={head_dim}", "seq_len": seq_len, "head_dim": head_dim,
                              "causal": causal, "unit": "TFLOP/s", "measured": flops / time_s / 1e12,
