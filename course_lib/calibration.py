@@ -346,27 +346,32 @@ def check_live_runs(runs: dict[str, dict], *, world_size: int = 2, batch_size: i
     executor waits for a stage's input, never for its own sends: step_time's pipeline_sends="async"). Each run is
     measured after each calibration round (the median of its steps after the first, on its slowest rank), so that
     a slow spell of a shared machine meets both; its figure is the median over rounds. Returns the calibrated
-    machine and, per run, its "run", "predicted_s", "measured_s", "ratio" (predicted / measured) and
-    "measured_rounds_s" (each round's figure: how steady the machine was)."""
+    machine and, per run, its "run", "predicted_s", "measured_s", "ratio" (predicted / measured),
+    "measured_rounds_s" (each round's figure: how steady the machine was), and the part of the step spent in
+    collectives, "predicted_collectives_s" (step_time's tp_s + dp_s) and "measured_collectives_s" (train_3d's
+    collective_seconds, the ranks' mean of their medians, the median over rounds)."""
     check_whole("steps", steps, low=2)                           # the first step is a warm-up, left out
     runs = {name: {"num_microbatches": 1, **keywords} for name, keywords in runs.items()}
     jobs = {name: train_3d_job(world_size, batch_size=batch_size, seq_len=seq_len, **keywords)
             for name, keywords in runs.items()}                # every run's rules checked before anything starts
-    measured = {name: [] for name in runs}
+    measured, collectives = {name: [] for name in runs}, {name: [] for name in runs}
 
     def run_each():
         for name, keywords in runs.items():
             results = launch(train_3d, world_size, steps=steps, batch_size=batch_size, seq_len=seq_len,
                              dtype=torch.float32, return_params=False, timeout=600, **keywords)
             measured[name].append(max(statistics.median(result["step_seconds"][1:]) for result in results))
+            collectives[name].append(statistics.mean(statistics.median(result["collective_seconds"][1:])
+                                                     for result in results))
     machine = calibrate(world_size, rounds=rounds, between=run_each)
     rows = []
     for name, job in jobs.items():
         job = job.replace(dtype="fp32", gpu=machine, gpus_per_node=world_size)
-        predicted = step_time(job, pipeline_sends="async").total_s
+        step = step_time(job, pipeline_sends="async")
         real = statistics.median(measured[name])
-        rows.append({"run": name, "predicted_s": predicted, "measured_s": real, "ratio": predicted / real,
-                     "measured_rounds_s": tuple(measured[name])})
+        rows.append({"run": name, "predicted_s": step.total_s, "measured_s": real, "ratio": step.total_s / real,
+                     "measured_rounds_s": tuple(measured[name]), "predicted_collectives_s": step.tp_s + step.dp_s,
+                     "measured_collectives_s": statistics.median(collectives[name])})
     return machine, rows
 
 

@@ -128,7 +128,8 @@ def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
 
     def fake_launch(fn, world_size, **keywords):
         launched.append(keywords)
-        return [{"step_seconds": [9.0, 0.5, 0.5]}] * world_size
+        return [{"step_seconds": [9.0, 0.5, 0.5], "collective_seconds": [8.0, 0.1, 0.3]},
+                {"step_seconds": [9.0, 0.5, 0.6], "collective_seconds": [8.0, 0.3, 0.5]}]
 
     def fake_calibrate(world_size, rounds, between):
         between()
@@ -145,4 +146,7 @@ def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
     assert [(job.micro_batch_size, job.num_microbatches, job.seq_len) for job in priced] == [(4, 1, 32), (2, 4, 32)]
     assert all(job.dtype == "fp32" and job.gpu is GPUS["A100 80GB"] and job.gpus_per_node == 2 for job in priced)
     assert assumed == [{"pipeline_sends": "async"}] * 2       # the course's executor never waits for its sends
-    assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.5, (0.5,)), (0.5, (0.5,))]
+    assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.55, (0.55,))] * 2   # slowest rank
+    assert [row["measured_collectives_s"] for row in rows] == pytest.approx([0.3, 0.3])     # the ranks' mean
+    zero3, pp = (step_time(job, pipeline_sends="async") for job in priced)
+    assert [row["predicted_collectives_s"] for row in rows] == [zero3.dp_s, pp.tp_s + pp.dp_s] and zero3.dp_s > 0

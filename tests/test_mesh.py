@@ -138,6 +138,16 @@ def test_bytes_sent_on_each_axis_equal_the_prediction(run_2x2x2):
     assert all(r["sent_bytes"]["tp"] > r["sent_bytes"]["pp"] for r in run_2x2x2)   # TP: every layer; PP: boundary
 
 
+def test_each_step_says_how_long_it_spent_in_collectives(run_2x2x2):
+    """train_3d's collective_seconds: per step, the time inside its all-reduces, all-gathers and reduce-scatters
+    (TP's and DP's here), some of every step and never more than the step; the pipeline's sends not among them."""
+    for r in run_2x2x2:
+        assert len(r["collective_seconds"]) == len(r["step_seconds"]) == STEPS
+        assert all(0 < inside < step for inside, step in zip(r["collective_seconds"], r["step_seconds"]))
+    pipeline = launch(train_3d, 2, pp=2, steps=2, return_params=False, backend="gloo")
+    assert [r["collective_seconds"] for r in pipeline] == [[0, 0]] * 2 and pipeline[0]["ops"]["pp"]["send"] == 2
+
+
 def test_a_tied_head_is_counted_once_on_one_stage():
     tied = preset("tiny", tie_embeddings=True)
     assert params_per_rank(tied, Mesh(), 0) == param_count_formula(tied) == count_params(tied)

@@ -25,6 +25,9 @@ from ..runtime.arguments import check_whole
 from ..runtime.launch import device
 from ..tensor_parallel import dtensor_plan
 
+# The collectives cost.step_time's tp_s and dp_s price (a pipeline's sends are in pp_s and the bubble)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
 
 def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
              dp_replicate: int = 1, zero_stage: int | None = None, sequence_parallel: bool = False,
@@ -37,8 +40,9 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     layer of the stage), then gradients are averaged over the data-parallel group (NaiveDDP; ZeRO with
     ``zero_stage``), then Adam updates this rank's pieces. Returns this rank's coordinates, its losses (last
     stage only), its parameters (whole pieces, gathered under ZeRO-3), its measured state bytes, the bytes it
-    sent on each axis in the last step (and how many ops), and each step's seconds. ``progress``: a tqdm bar on
-    rank 0; ``return_params=False``: keep the parameters here (for the lab, at scale)."""
+    sent on each axis in the last step (and how many ops), each step's seconds and, of them, its seconds inside
+    COLLECTIVES (waiting for the slowest rank included). ``progress``: a tqdm bar on rank 0;
+    ``return_params=False``: keep the parameters here (for the lab, at scale)."""
     check_whole("steps", steps)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype={dtype!r}: a torch.dtype such as torch.float64, or None (the model's float32)")
@@ -57,7 +61,7 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     axes = {"tp": comms["tp"], "pp": comms["pp"], "dp": comms["dp_shard_cp" if dp_replicate > 1 else "dp_cp"]}
     axes.update({"cp": comms["cp"]} if cp > 1 else {})
     axes.update({"dp_replicate": comms["dp_replicate"]} if dp_replicate > 1 else {})
-    losses, seconds = [], []
+    losses, seconds, collective_seconds = [], [], []
     step_range = range(steps)
     if progress and rank == 0:
         step_range = tqdm(step_range, desc=mesh.factors(), mininterval=1.0)
@@ -78,9 +82,12 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
         if device().type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
+        records = {id(r): r for log in logs.values() for r in log.records}.values()   # an op once, whatever its axes
+        collective_seconds.append(sum(r.seconds for r in records if r.op in COLLECTIVES))
         losses.append(result["loss"])
     held = stage if data_parallel is None or parallel.optimizer is None else data_parallel
-    return {"rank": rank, "coords": where, "losses": losses, "step_seconds": seconds, "backend": dist.get_backend(),
+    return {"rank": rank, "coords": where, "losses": losses, "step_seconds": seconds,
+            "collective_seconds": collective_seconds, "backend": dist.get_backend(),
             "params": _named_parameters(stage, data_parallel, zero_stage) if return_params else None,
             "state_bytes": measure_state_bytes(held, optimizer),
             "sent_bytes": {axis: log.wire_bytes for axis, log in logs.items()},
