@@ -40,11 +40,11 @@ reuse freed memory, runtime.rank_process) and took 2.5 times as long, and the GE
 MLP's weight gradients, 1,280 × 640) ran at 51-85 GFLOP/s, as an isolated GEMM does into fresh pages (54 at 64
 tokens, the 4-micro-batch run's shape, 89 at 256, one micro-batch's, against 98-113 into reused buffers). An
 earlier reading here took that for a placement effect of their buffers.
-The time in collectives, printed under the table, shows where the tiny runs' misses come from: in one run on
-2026-12-05 the tiny runs spent 0.36-0.78 of what the calibration's α and β price for their collectives, the 10×
-wider ones 1.08-1.31 of it. A small gloo collective on this 2-vCPU machine takes anywhere from 0.35 to 3 ms (in
-one DDP step, seven all-reduces back to back took 0.35-3.1 ms each, medians over ten steps), and the model prices
-every one at the calibration's mean, each timed after 2 ms of matmuls.
+The time in collectives, printed under the table, shows where the tiny runs' misses come from: in two runs on
+2026-12-05 the tiny runs spent 0.36-0.83 of what the calibration's α and β price for their collectives, the 10×
+wider ones 0.94-1.54 of it (TP's all-reduces the most). A small gloo collective on this 2-vCPU machine takes
+anywhere from 0.35 to 3 ms (in one DDP step, seven all-reduces back to back took 0.35-3.1 ms each, medians over
+ten steps), and the model prices every one at the calibration's mean, each timed after 2 ms of matmuls.
 """
 
 import time
@@ -72,8 +72,8 @@ def main():
         predicted, measured = row["predicted_s"] * 1e3, row["measured_s"] * 1e3
         rounds = ", ".join(f"{seconds * 1e3:.1f}" for seconds in row["measured_rounds_s"])
         print(f"{row['run']:34}{predicted:10.1f} ms{measured:10.1f} ms{row['ratio']:8.2f}   {rounds} ms")
-    print(f"\n{'of which in collectives':34}{'predicted':>12}{'measured':>12}{'ratio':>8}   (tp_s + dp_s; measured with "
-          "the wait for the slower rank)")
+    print(f"\n{'of which in collectives':34}{'predicted':>12}{'measured':>12}{'ratio':>8}   "
+          "(tp_s + dp_s; measured with the wait for the slower rank)")
     for row in rows:
         if row["predicted_collectives_s"] > 0:                   # the pipeline's sends are priced apart (pp_s)
             predicted, measured = row["predicted_collectives_s"] * 1e3, row["measured_collectives_s"] * 1e3
