@@ -243,14 +243,14 @@ def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int
     """Attention as plain PyTorch writes it (FlashAttention's benchmark scripts' attention_pytorch), for ``heads``
     (batch × heads) of one sequence length, forward + backward: QKᵀ and AV as batched GEMMs on the whole square,
     and the s×s scores through HBM at a copy's rate: softmax (forward reads and writes them, backward reads two
-    and writes one) and, causal, the mask added (read, write). Not Megatron's layer ("unfused" above, whose fused
-    softmax and dropout move other bytes): the model's primitives on kernels a benchmark published
-    (tests/test_cost.py) and labs/kernel_rates.py measures on a GPU."""
+    and writes one) and, causal, the mask added (read, write; the [s, s] mask itself, built each call and read
+    again for every head, is left out). Not Megatron's layer ("unfused" above, whose fused softmax and dropout move
+    other bytes): the model's primitives on kernels a benchmark published (tests/test_cost.py) and
+    labs/kernel_rates.py measures on a GPU."""
     scores = heads * seq_len * seq_len
     return [matmul("attention scores QKᵀ", gpu, seq_len, head_dim, seq_len, e, 3, batch=heads),
             matmul("attention values AV", gpu, seq_len, seq_len, head_dim, e, 3, batch=heads),
-            elementwise("softmax" + (" + causal mask" if causal else ""), gpu, scores * 2 * e * (2 if causal else 1),
-                        scores * 3 * e, 1.0, False)]
+            elementwise("softmax", gpu, scores * 2 * e * (2 if causal else 1), scores * 3 * e, 1.0, False)]
 
 
 def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) -> Operation:

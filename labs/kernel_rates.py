@@ -16,7 +16,8 @@ H100, H200) this lab measures the same kernels and puts each measured rate besid
   against kernel_times.attention_rate (FLASH_TFLOPS: FlashAttention-2's and -3's published figures, and
   xformers' memory-efficient kernel's in FlashAttention-2's A100 figure); and standard attention as plain
   PyTorch writes it (FlashAttention's benchmark's attention_pytorch, up to 8k tokens: the scores' square must
-  fit), against kernel_times.standard_attention, the parts the model prices Megatron's unfused attention with;
+  fit), against kernel_times.standard_attention (the model's primitives, matmul and elementwise, on standard
+  attention's own passes);
 * memory-bound ops (copy, residual add, RMSNorm, SwiGLU's product, cross-entropy over the logits, fused Adam),
   the bytes they must move over the time, against hbm_share × the datasheet's HBM bandwidth × the op's
   kernel_times.STREAM_SHARE (which one H200's run of this lab gave: on another GPU it checks they carry over);
@@ -205,7 +206,7 @@ def standard_attention_pass(q, k, v, grad_out, causal):
         scores = scores + torch.triu(torch.full((seq_len, seq_len), -10000.0, device=q.device), 1).to(q.dtype)
     out = torch.bmm(torch.softmax(scores, dim=-1), v.flatten(0, 1)).view_as(q)
     out.backward(grad_out)
-    return out, q.grad, k.grad, v.grad
+    return out.detach(), q.grad, k.grad, v.grad
 
 
 def measure_standard_attention(sizes, dev, dtype, gpu, repeats) -> list[dict]:

@@ -139,14 +139,17 @@ def test_a_live_run_is_priced_as_the_job_train_3d_runs(monkeypatch):
     assumed = []
     monkeypatch.setattr(calibration, "step_time", lambda job, **assumptions: priced.append(job)
                         or assumed.append(assumptions) or step_time(job, **assumptions))
-    _, rows = calibration.check_live_runs({"ZeRO-3": dict(dp=2, zero_stage=3), "PP": dict(pp=2, num_microbatches=4)},
-                                          batch_size=8, seq_len=32)
-    assert [run["num_microbatches"] for run in launched] == [1, 4]
-    assert [(job.mesh.dp, job.mesh.pp, job.zero_stage) for job in priced] == [(2, 1, 3), (1, 2, None)]
-    assert [(job.micro_batch_size, job.num_microbatches, job.seq_len) for job in priced] == [(4, 1, 32), (2, 4, 32)]
+    _, rows = calibration.check_live_runs({"ZeRO-3": dict(dp=2, zero_stage=3), "PP": dict(pp=2, num_microbatches=4),
+                                           "TP": dict(tp=2)}, batch_size=8, seq_len=32)
+    assert [run["num_microbatches"] for run in launched] == [1, 4, 1]
+    assert [(job.mesh.dp, job.mesh.pp, job.mesh.tp, job.zero_stage) for job in priced] == [
+        (2, 1, 1, 3), (1, 2, 1, None), (1, 1, 2, None)]
+    assert [(job.micro_batch_size, job.num_microbatches, job.seq_len) for job in priced] == [
+        (4, 1, 32), (2, 4, 32), (8, 1, 32)]
     assert all(job.dtype == "fp32" and job.gpu is GPUS["A100 80GB"] and job.gpus_per_node == 2 for job in priced)
-    assert assumed == [{"pipeline_sends": "async"}] * 2       # the course's executor never waits for its sends
-    assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.55, (0.55,))] * 2   # slowest rank
-    assert [row["measured_collectives_s"] for row in rows] == pytest.approx([0.3, 0.3])     # the ranks' mean
-    zero3, pp = (step_time(job, pipeline_sends="async") for job in priced)
-    assert [row["predicted_collectives_s"] for row in rows] == [zero3.dp_s, pp.tp_s + pp.dp_s] and zero3.dp_s > 0
+    assert assumed == [{"pipeline_sends": "async"}] * 3       # the course's executor never waits for its sends
+    assert [(row["measured_s"], row["measured_rounds_s"]) for row in rows] == [(0.55, (0.55,))] * 3   # slowest rank
+    assert [row["measured_collectives_s"] for row in rows] == pytest.approx([0.3] * 3)     # the ranks' mean
+    zero3, pp, tp = (step_time(job, pipeline_sends="async") for job in priced)
+    assert [row["predicted_collectives_s"] for row in rows] == [zero3.dp_s, 0.0, tp.tp_s]   # not the pipeline's sends
+    assert zero3.dp_s > 0 and pp.pp_s > 0 and tp.tp_s > 0

@@ -41,7 +41,8 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
     ``zero_stage``), then Adam updates this rank's pieces. Returns this rank's coordinates, its losses (last
     stage only), its parameters (whole pieces, gathered under ZeRO-3), its measured state bytes, the bytes it
     sent on each axis in the last step (and how many ops), each step's seconds and, of them, its seconds inside
-    COLLECTIVES (waiting for the slowest rank included). ``progress``: a tqdm bar on rank 0;
+    COLLECTIVES (waiting for the slowest rank included; on gloo, whose collectives here all block: on NCCL, where
+    wait() does not block the host, only the time to queue them). ``progress``: a tqdm bar on rank 0;
     ``return_params=False``: keep the parameters here (for the lab, at scale)."""
     check_whole("steps", steps)
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -82,8 +83,8 @@ def train_3d(rank: int, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 
         if device().type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        records = {id(r): r for log in logs.values() for r in log.records}.values()   # an op once, whatever its axes
-        collective_seconds.append(sum(r.seconds for r in records if r.op in COLLECTIVES))
+        # each axis has its own Comm and its own log: no op is counted twice
+        collective_seconds.append(sum(r.seconds for log in logs.values() for r in log.records if r.op in COLLECTIVES))
         losses.append(result["loss"])
     held = stage if data_parallel is None or parallel.optimizer is None else data_parallel
     return {"rank": rank, "coords": where, "losses": losses, "step_seconds": seconds,
