@@ -273,6 +273,12 @@ def weight_widths(config, tp: int = 1) -> dict[str, tuple[int, int]]:
             "gate_proj": (d, mlp_width), "up_proj": (d, mlp_width), "down_proj": (mlp_width, d)}
 
 
+def attention_square(config, micro_batch_size: int, seq_len: int, tp: int = 1) -> int:
+    """FLOPs of QKᵀ and AV forward on the whole s×s square, on one of ``tp`` GPUs: 2·2·b·(n_h/t)·s²·h_d (what MFU
+    counts, as cost.forward_terms does for the whole model; a causal kernel runs half of it)."""
+    return 4 * (micro_batch_size * config.num_heads // tp) * seq_len**2 * config.head_dim
+
+
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
                      causal: bool = True, bytes_per_element: int = 2) -> list[Operation]:
@@ -282,8 +288,8 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
     b, s, e, t = micro_batch_size, seq_len, bytes_per_element, tp
     T, d, h_d = b * s, config.hidden, config.head_dim
-    q_width, kv_width = config.num_heads * h_d // t, config.num_kv_heads * h_d // t
-    mlp_width = config.intermediate // t
+    widths = weight_widths(config, t)
+    q_width, kv_width, mlp_width = widths["q_proj"][1], widths["k_proj"][1], widths["gate_proj"][1]
     experts = config.top_k if getattr(config, "num_experts", 0) else 1
     # A recomputed block ("full", or "op": every second matmul, k, o and up, whose outputs it does not keep) runs
     # its elementwise ops again, and the matmuls it reruns a fourth time.
@@ -293,14 +299,13 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
 
     def passes(name):
         return 4 if name in rerun else 3
-    widths = weight_widths(config, t)
     ops = [matmul(name, gpu, T, *widths[name], e, passes(name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     ops += [matmul(name, gpu, T, *widths[name], e, passes(name)).times(experts)
             for name in ("gate_proj", "up_proj", "down_proj")]
     heads = b * config.num_heads // t
     core_again = recompute in ("selective", "full")
     if attention != "unfused":
-        square = 4 * heads * s * s * h_d * (0.5 if causal else 1)      # QKᵀ and AV, forward
+        square = attention_square(config, b, s, t) * (0.5 if causal else 1)     # what the kernel runs
         forward_flops = square * (2 if core_again else 1)
         flops = forward_flops + 2.5 * square
         io = T * (q_width + kv_width) * e                              # q and k (v and o: the same widths)
@@ -382,11 +387,11 @@ def roofline(config, gpu, *, micro_batch_size: int, seq_len: int, tp: int = 1,
     hw = find_gpu(gpu)
     Mesh(tp=tp).check_model(config)
     tokens, e = micro_batch_size * seq_len, bytes_per_element
-    q_width, kv_width = config.num_heads * config.head_dim // tp, config.num_kv_heads * config.head_dim // tp
-    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e)
-            for name, (k, n) in weight_widths(config, tp).items()}
-    core = 2 * 2 * micro_batch_size * config.num_heads // tp * seq_len**2 * config.head_dim   # QKᵀ and AV, in full
-    work["attention core"] = (core, tokens * (2 * q_width + 2 * kv_width) * e)
+    widths = weight_widths(config, tp)
+    q_width, kv_width = widths["q_proj"][1], widths["k_proj"][1]
+    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e) for name, (k, n) in widths.items()}
+    work["attention core"] = (attention_square(config, micro_batch_size, seq_len, tp),
+                              tokens * (2 * q_width + 2 * kv_width) * e)
     rows = []
     for name, (flops, nbytes) in work.items():
         intensity = flops / nbytes

@@ -169,32 +169,6 @@ def check_attention(backend, dev, dtype) -> dict:
             "bound": 2e-2 if dtype == torch.bfloat16 else 1e-4}
 
 
-def measure_attention(sizes, dev, dtype, gpu, repeats, backends) -> list[dict]:
-    rows, hidden, tokens = [], sizes["attention_hidden"], sizes["attention_tokens"]
-    for backend in backends:
-        for head_dim in sizes["attention_head_dim"]:
-            for seq_len in sizes["attention_seq"]:
-                for causal in (True, False):
-                    batch, heads = max(1, tokens // seq_len), hidden // head_dim
-                    inputs = attention_inputs(batch, heads, seq_len, head_dim, dev, dtype)
-                    forward_flops = 4 * batch * heads * seq_len**2 * head_dim * (0.5 if causal else 1)
-                    try:
-                        time_s = seconds(lambda: attention_pass(backend, *inputs, causal), dev, repeats)
-                    except RuntimeError as error:   # a backend that passed its check but takes not this shape
-                        print(f"{backend} s={seq_len} hd={head_dim}: not measured ({str(error).splitlines()[0][:120]})")
-                        continue
-                    model_kernel = MODEL_KERNEL[backend] if gpu else None
-                    if model_kernel == "flash3" and FAMILIES.get(gpu.name.split()[0]) != "H100":
-                        model_kernel = "flash"                          # FlashAttention-3 runs on Hopper only
-                    rows.append({"kind": f"attention {backend}", "name": f"{backend} {'causal' if causal else 'full'} "
-                                 f"s={seq_len} hd={head_dim}", "seq_len": seq_len, "head_dim": head_dim,
-                                 "causal": causal, "unit": "TFLOP/s", "measured": 3.5 * forward_flops / time_s / 1e12,
-                                 "model_kernel": model_kernel,
-                                 "model": attention_rate(gpu, model_kernel, seq_len, head_dim, causal) / 1e12
-                                 if gpu else None})
-    return rows
-
-
 def standard_attention_pass(q, k, v, grad_out, causal):
     """Standard attention as FlashAttention's benchmark scripts write it (attention_pytorch, dropout 0): the
     scaled scores by one batched GEMM, a causal mask added, softmax, the values' GEMM; then backward."""
@@ -209,26 +183,39 @@ def standard_attention_pass(q, k, v, grad_out, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def measure_standard_attention(sizes, dev, dtype, gpu, repeats) -> list[dict]:
+def measure_attention(sizes, dev, dtype, gpu, repeats, backends) -> list[dict]:
+    """Each SDPA backend in ``backends``, and "standard" (standard_attention_pass: up to 8k tokens, where its
+    s×s scores, several times over, still fit), forward + backward at FlashAttention's FLOP count."""
     rows, hidden, tokens = [], sizes["attention_hidden"], sizes["attention_tokens"]
-    for head_dim in sizes["attention_head_dim"]:
-        for seq_len in (s for s in sizes["attention_seq"] if s <= 8192):
-            for causal in (True, False):
-                batch, heads = max(1, tokens // seq_len), hidden // head_dim
-                inputs = attention_inputs(batch, heads, seq_len, head_dim, dev, dtype)
-                flops = 3.5 * 4 * batch * heads * seq_len**2 * head_dim * (0.5 if causal else 1)   # as FA counts
-                try:
-                    time_s = seconds(lambda: standard_attention_pass(*inputs, causal), dev, repeats)
-                except torch.OutOfMemoryError:                 # the s×s scores, several times, on a smaller GPU
-                    print(f"standard s={seq_len} hd={head_dim}: not measured (out of memory)")
-                    torch.cuda.empty_cache()
-                    continue
-                model_s = sum(op.seconds for op in standard_attention(
-                    gpu, batch * heads, seq_len, head_dim, torch.finfo(dtype).bits // 8, causal)) if gpu else None
-                rows.append({"kind": "attention standard", "name": f"standard {'causal' if causal else 'full'} "
-                             f"s={seq_len} hd={head_dim}", "seq_len": seq_len, "head_dim": head_dim,
-                             "causal": causal, "unit": "TFLOP/s", "measured": flops / time_s / 1e12,
-                             "model": flops / model_s / 1e12 if gpu else None})
+    for backend in backends:
+        for head_dim in sizes["attention_head_dim"]:
+            for seq_len in (s for s in sizes["attention_seq"] if backend != "standard" or s <= 8192):
+                for causal in (True, False):
+                    batch, heads = max(1, tokens // seq_len), hidden // head_dim
+                    inputs = attention_inputs(batch, heads, seq_len, head_dim, dev, dtype)
+                    flops = 3.5 * 4 * batch * heads * seq_len**2 * head_dim * (0.5 if causal else 1)
+                    try:
+                        time_s = seconds(lambda: standard_attention_pass(*inputs, causal) if backend == "standard"
+                                         else attention_pass(backend, *inputs, causal), dev, repeats)
+                    except RuntimeError as error:   # a shape a backend does not take; out of memory on a smaller GPU
+                        print(f"{backend} s={seq_len} hd={head_dim}: not measured ({str(error).splitlines()[0][:120]})")
+                        if isinstance(error, torch.OutOfMemoryError):
+                            torch.cuda.empty_cache()
+                        continue
+                    row = {"kind": f"attention {backend}", "name": f"{backend} {'causal' if causal else 'full'} "
+                           f"s={seq_len} hd={head_dim}", "seq_len": seq_len, "head_dim": head_dim, "causal": causal,
+                           "unit": "TFLOP/s", "measured": flops / time_s / 1e12, "model_kernel": None, "model": None}
+                    if gpu and backend == "standard":
+                        model_s = sum(op.seconds for op in standard_attention(
+                            gpu, batch * heads, seq_len, head_dim, torch.finfo(dtype).bits // 8, causal))
+                        row["model"] = flops / model_s / 1e12
+                    elif gpu:
+                        model_kernel = MODEL_KERNEL[backend]
+                        if model_kernel == "flash3" and FAMILIES.get(gpu.name.split()[0]) != "H100":
+                            model_kernel = "flash"                      # FlashAttention-3 runs on Hopper only
+                        row["model_kernel"] = model_kernel
+                        row["model"] = attention_rate(gpu, model_kernel, seq_len, head_dim, causal) / 1e12
+                    rows.append(row)
     return rows
 
 
@@ -340,8 +327,7 @@ def main(argv=None):
     checks = [check_attention(name, dev, dtype) for name in ("flash", "efficient", "cudnn")]
     usable = [c["backend"] for c in checks if c["available"]]
     rows = measure_matmuls(sizes["matmul"], dev, dtype, gpu, args.repeats)
-    rows += measure_attention(sizes, dev, dtype, gpu, args.repeats, usable)
-    rows += measure_standard_attention(sizes, dev, dtype, gpu, args.repeats)
+    rows += measure_attention(sizes, dev, dtype, gpu, args.repeats, usable + ["standard"])
     rows += measure_memory_bound(sizes, dev, dtype, gpu, args.repeats)
     rows.append(measure_launch(dev, gpu))
     print(table(rows))
