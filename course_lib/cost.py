@@ -217,24 +217,27 @@ class StepTime:
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
-               "pipeline_sends")
+               "pipeline_sends", "elementwise_ops")
 PIPELINE_SENDS = ("blocking", "async")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
-              scatter_gather: bool = False, pipeline_sends: str = "blocking") -> StepTime:
+              scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused"
+              ) -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
-    whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async").
+    whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async"), whether the
+    memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS).
     The formulas: the module docstring's part 2."""
     if pipeline_sends not in PIPELINE_SENDS:
         raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
                        tp_overlap=tp_overlap)
     m = job.num_microbatches
-    stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather)
+    stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather,
+                            elementwise_ops)
     compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
         exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
@@ -299,12 +302,13 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     return find_gpu(job.gpu)
 
 
-def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather):
+def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather,
+                   elementwise_ops):
     """One micro-batch on each pipeline stage: (compute, exposed tp, exposed pp seconds, its operations, its
     FLOPs) on one GPU of the stage; the slowest stage sets the pace (step_time's docstring)."""
     config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
-    kernels = dict(micro_batch_size=b, seq_len=seq_len, bytes_per_element=e)
+    kernels = dict(micro_batch_size=b, seq_len=seq_len, elementwise_ops=elementwise_ops, bytes_per_element=e)
     layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
                                  recompute=job.recompute, attention=attention, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from functools import lru_cache
 from types import MappingProxyType
 
@@ -113,7 +114,7 @@ def _forward_backward(forward, device: str) -> MappingProxyType:
 def _counted(part: str, fields: tuple, micro_batch_size: int, seq_len: int, split: int, bytes_per_element: int,
              device: str) -> MappingProxyType:
     """``part`` "layer": a Block on one of ``split`` TP ranks; "head": the final norm, the head over 1/``split``
-    of the vocabulary, and the loss. Cached: a config's count is the same every time."""
+    of the vocabulary, and the loss; "norm": one RMSNorm. Cached: a config's count is the same every time."""
     config = ModelConfig(**dict(fields))
     dtype = DTYPES[bytes_per_element]
     with torch.device(device):
@@ -122,6 +123,8 @@ def _counted(part: str, fields: tuple, micro_batch_size: int, seq_len: int, spli
             block = _tp_rank_block(config, split, dtype)
             return _forward_backward(lambda: block(x), device)
         norm = RMSNorm(config.hidden, config.norm_eps).to(dtype)
+        if part == "norm":
+            return _forward_backward(lambda: norm(x), device)
         head = nn.Linear(config.hidden, config.vocab_size // split, bias=False, dtype=dtype)
         targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
     return _forward_backward(lambda: loss_fn(head(norm(x)), targets), device)
@@ -163,3 +166,13 @@ def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vo
     ops; vocab_parallel's own differ a little), as model.py dispatches them: {"forward", "backward"} -> Traffic."""
     return _counted("head", _fields(config, bytes_per_element), micro_batch_size, seq_len, vocab_split,
                     bytes_per_element, device)
+
+
+def without_norms(counted: Mapping, config: ModelConfig, *, micro_batch_size: int, seq_len: int,
+                  bytes_per_element: int, norms: int) -> dict:
+    """``counted`` (layer_traffic's or head_traffic's) less ``norms`` RMSNorms as model.py dispatches them: what a
+    framework with a fused norm kernel and the rest op by op (torchtitan's fused_rmsnorm) runs eagerly."""
+    norm = _counted("norm", _fields(config, bytes_per_element), micro_batch_size, seq_len, 1, bytes_per_element,
+                    "meta")
+    return {way: Traffic(counted[way].kernels - norms * norm[way].kernels, counted[way].bytes - norms * norm[way].bytes)
+            for way in ("forward", "backward")}

@@ -25,10 +25,13 @@ sequence parallelism, 1 without: each TP rank repeats them on the whole activati
 Each streams its bytes at its own share of a plain copy's rate, as one H200 measured it (STREAM_SHARE: a norm
 0.66, SwiGLU's product 0.80, the loss 0.35, Adam's step 0.73, a residual add 1).
 
-A machine that runs the course's own model op by op (GPU.eager_elementwise: this CPU, calibrated) has no fused
-kernels: there these rows, and the final norm and the loss, are the ops model.py dispatches, each reading its
-inputs and writing its output, as course_lib.eager_traffic counts them (the tiny model's layer, 8 × 64 tokens in
-fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above move 5.8 MB).
+Eager PyTorch has no such kernels: on a machine that runs the course's own model (GPU.eager_elementwise: this
+CPU, calibrated), and for a run whose code dispatches them op by op (elementwise_ops="eager": torchtitan without
+torch.compile; "eager, fused norm" where its norm is one Triton kernel), these rows, the final norm and the loss
+are the ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic
+counts them (the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the
+four rows above move 5.8 MB; Llama 3 8B's in bf16, 18.7 GB against 3.7). The course's rotary recomputes its
+angles each forward where torchtitan's multiplies precomputed ones: a few small ops more than torchtitan runs.
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
@@ -40,7 +43,8 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
   keeps the whole square, as Megatron-LM does), and backward runs 2.5 times forward's matmul work (it recomputes
   QKᵀ). Its rate is read from published kernel benchmarks, or derived from them where none was published
   (attention_rate; FLASH_TFLOPS and TRITON_VS_FLASH2 say which: by GPU, causal or not, head dim and sequence
-  length), never from a training run.
+  length), never from a training run; on a card of the family with a lower peak (a lower clock: a power limit)
+  the same kernels run that much slower.
 * "unfused" (Megatron-LM's GPT layer before FlashAttention, as in Narayanan et al. 2021 and Korthikanti et al.
   2022): QKᵀ and AV are batched GEMMs [s, h_d] × [h_d, s] and [s, s] × [s, h_d] on the whole square, and
   between them a fused scale-mask-softmax and the attention dropout pass the s×s scores through HBM:
@@ -56,8 +60,7 @@ The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 Not here: the embedding's lookup and its gradient (T·d·e bytes each way, on the first stage), hidden dropout,
 fp32 statistics of the norms, the optimizer (cost.step_time adds it once a step).
 
-roofline(config, gpu, ...): the same idea for teaching, one layer's matmuls and fused attention core at the dense
-peak, each one's intensity against the GPU's ridge point.
+course_lib.roofline: the same idea for teaching, each of one layer's matmuls at the dense peak against the ridge.
 """
 
 from __future__ import annotations
@@ -66,11 +69,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .eager_traffic import head_traffic, layer_traffic
-from .hardware import GPU, dimension_factor, find_gpu, matmul_rate
-from .mesh import Mesh
+from .eager_traffic import head_traffic, layer_traffic, without_norms
+from .hardware import GPU, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
+# The memory-bound ops as a run's code dispatches them: one fused kernel each (Megatron's, MPT's, torch.compile's),
+# op by op as the course's model runs them (eager PyTorch), or so but for the norms (torchtitan's fused_rmsnorm)
+ELEMENTWISE_OPS = ("fused", "eager", "eager, fused norm")
 
 # Forward + backward TFLOP/s of the attention kernels, FLOPs counted as their authors count them (a causal
 # kernel's half square; backward 2.5 × forward: 3.5 × forward in all), at sequence lengths FLASH_SEQ (batch
@@ -142,13 +147,15 @@ FLASH_TFLOPS.update({("H100", "efficient", causal, hd): _derived_efficient(causa
 # from. The flat ratio is kept, an approximation.
 TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
 FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
+FAMILY_PEAK = {"A100": 312e12, "H100": 989e12}      # the peak of the cards the benchmarks ran on (bf16, dense)
 
 
 def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: bool = True) -> float:
     """FLOP/s of a fused attention kernel forward + backward (FLOPs as its authors count them: FLASH_TFLOPS):
     its row of FLASH_TFLOPS (published, or derived where none was: the table's comment says which; Triton's at
     TRITON_VS_FLASH2 of FlashAttention-2's), interpolated in log(sequence length) and in head dim between 64 and
-    128 (clamped outside). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes
+    128 (clamped outside), scaled by the card's peak against the benchmarks' (FAMILY_PEAK: a card clocked lower, 1
+    for the catalogue's). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes
     attention_share × peak × f(s) × f(head dim) (hardware.dimension_factor)."""
     family = FAMILIES.get(gpu.name.split()[0])
     base = "flash" if kernel == "triton" else kernel
@@ -167,6 +174,7 @@ def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: b
             return 1e12 * (table[low] + (x - low) * (table[low + 1] - table[low]))
         weight = min(max((head_dim - 64) / 64, 0.0), 1.0)
         rate = (1 - weight) * at(64) + weight * at(128)
+        rate *= gpu.peak_flops / FAMILY_PEAK[family]
     return rate * (TRITON_VS_FLASH2 if kernel == "triton" else 1.0)
 
 
@@ -253,6 +261,14 @@ def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int
             elementwise("softmax", gpu, scores * 2 * e * (2 if causal else 1), scores * 3 * e, 1.0, False)]
 
 
+def _eager_ops(gpu: GPU, elementwise_ops: str) -> bool:
+    """Whether the memory-bound ops run op by op: on a machine that runs the course's model (this CPU), or as a
+    run's code dispatches them (ELEMENTWISE_OPS)."""
+    if elementwise_ops not in ELEMENTWISE_OPS:
+        raise ValueError(f"elementwise_ops={elementwise_ops!r}: one of {', '.join(map(repr, ELEMENTWISE_OPS))}")
+    return gpu.eager_elementwise or elementwise_ops != "fused"
+
+
 def eager(name: str, gpu: GPU, counted: Mapping, e: int, forward_again: bool) -> Operation:
     """Memory-bound ops as eager PyTorch runs them, counted by eager_traffic: forward, backward (and the forward
     again when recomputed), each pass its bytes at HBM bandwidth and a launch per op (timed's rule)."""
@@ -281,11 +297,13 @@ def attention_square(config, micro_batch_size: int, seq_len: int, tp: int = 1) -
 
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
-                     causal: bool = True, bytes_per_element: int = 2) -> list[Operation]:
+                     causal: bool = True, elementwise_ops: str = "fused", bytes_per_element: int = 2
+                     ) -> list[Operation]:
     """One transformer layer's operations, forward + backward (+ what ``recompute`` runs again), on one of
-    ``tp`` GPUs, for one micro-batch (module docstring)."""
+    ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
+    eager_ops = _eager_ops(gpu, elementwise_ops)
     b, s, e, t = micro_batch_size, seq_len, bytes_per_element, tp
     T, d, h_d = b * s, config.hidden, config.head_dim
     widths = weight_widths(config, t)
@@ -312,7 +330,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         nbytes = 2 * io * (2 if core_again else 1) + 4 * io
         rate = attention_rate(gpu, attention, s, h_d, causal)
         ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
-        if not gpu.eager_elementwise:
+        if not eager_ops:
             ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
                                    1.5 / e, block_rerun))
     else:
@@ -322,14 +340,19 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         softmax = elementwise("softmax + dropout", gpu, heads * s * s * (4 * e + 1), heads * s * s * (5 * e + 1),
                               1.0, core_again)
         ops += [scores, softmax, values]
-    if gpu.eager_elementwise:                         # the course's model, op by op (eager_traffic)
-        if sequence_parallel:
-            raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
-                             "eager_traffic counts a TP rank's layer on every row")
-        counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
-        return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]
     rows = T // t if sequence_parallel else T
-    ops.append(elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun))
+    norms = elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun)
+    if eager_ops:                                     # the course's model, op by op (eager_traffic)
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True with elementwise ops run eagerly: eager_traffic counts a TP "
+                             "rank's layer on every row")
+        counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
+        if elementwise_ops == "eager, fused norm":
+            counted = without_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2)
+            return ops + [norms, eager("elementwise ops but the norms, as model.py runs them", gpu, counted, e,
+                                       block_rerun)]
+        return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]
+    ops.append(norms)
     ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e),
                            block_rerun))
     ops.append(elementwise("SwiGLU products", gpu, 3 * T * mlp_width * e * experts,
@@ -338,17 +361,21 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
 
 
 def head_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,
-                    bytes_per_element: int = 2) -> list[Operation]:
+                    elementwise_ops: str = "fused", bytes_per_element: int = 2) -> list[Operation]:
     """The last stage's extra work per micro-batch: the final norm, the head's GEMM (split over ``vocab_split``
     GPUs with a vocab-parallel head) and the loss over the logits."""
     T, d, e, V = micro_batch_size * seq_len, config.hidden, bytes_per_element, config.vocab_size // vocab_split
-    if gpu.eager_elementwise:                         # the course's model, op by op (eager_traffic)
+    norm = elementwise("final RMSNorm", gpu, 2 * T * d * e, 3 * T * d * e, 2.5 / e, False)
+    if _eager_ops(gpu, elementwise_ops):              # the course's model, op by op (eager_traffic)
         counted = head_traffic(config, micro_batch_size=micro_batch_size, seq_len=seq_len, vocab_split=vocab_split,
                                bytes_per_element=e)
+        if elementwise_ops == "eager, fused norm":
+            counted = without_norms(counted, config, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                    bytes_per_element=e, norms=1)
+            return [norm, matmul("head", gpu, T, d, V, e, 3), eager("loss, as model.py runs it", gpu, counted, e, False)]
         return [matmul("head", gpu, T, d, V, e, 3), eager("final RMSNorm and loss, as model.py runs them", gpu,
                                                           counted, e, False)]
-    return [elementwise("final RMSNorm", gpu, 2 * T * d * e, 3 * T * d * e, 2.5 / e, False),
-            matmul("head", gpu, T, d, V, e, 3),
+    return [norm, matmul("head", gpu, T, d, V, e, 3),
             elementwise("loss (softmax cross-entropy)", gpu, T * V * e, 2 * T * V * e, 2.5 / e, False)]
 
 
@@ -369,35 +396,3 @@ def summed(ops: list[Operation]) -> dict[str, float]:
     for op in ops:
         out[op.bound] += op.seconds
     return out
-
-
-def roofline(config, gpu, *, micro_batch_size: int, seq_len: int, tp: int = 1,
-             bytes_per_element: int = 2) -> dict:
-    """Arithmetic intensity of one layer's matmuls on one of ``tp`` GPUs, against the GPU's ridge point.
-
-    A matmul [T, k] × [k, n] (T = micro_batch_size·seq_len tokens) does 2·T·k·n FLOPs and moves at least
-    (T·k + k·n + T·n) · bytes_per_element bytes through HBM (read both operands, write the result once).
-    intensity = FLOPs / bytes; ridge = peak / HBM bandwidth. Below the ridge the matmul waits on memory (its
-    time is bytes / bandwidth), above it on compute (FLOPs / peak). The attention core is counted as a fused
-    kernel (FlashAttention, torch's SDPA): it reads q, k, v and writes the output, never the s×s scores.
-    Returns {"rows": [{name, flops, bytes, intensity, bound, seconds}], "intensity" (the layer's), "ridge",
-    "bound"}. In bf16, large T: intensity → k·n/(k + n) FLOPs per byte, compute-bound; one token
-    (decoding): just under 1, memory-bound on every GPU here (ridge points 150 to 300 FLOPs per byte).
-    """
-    hw = find_gpu(gpu)
-    Mesh(tp=tp).check_model(config)
-    tokens, e = micro_batch_size * seq_len, bytes_per_element
-    widths = weight_widths(config, tp)
-    q_width, kv_width = widths["q_proj"][1], widths["k_proj"][1]
-    work = {name: (2 * tokens * k * n, (tokens * k + k * n + tokens * n) * e) for name, (k, n) in widths.items()}
-    work["attention core"] = (attention_square(config, micro_batch_size, seq_len, tp),
-                              tokens * (2 * q_width + 2 * kv_width) * e)
-    rows = []
-    for name, (flops, nbytes) in work.items():
-        intensity = flops / nbytes
-        rows.append({"name": name, "flops": flops, "bytes": nbytes, "intensity": intensity,
-                     "bound": "compute" if intensity >= hw.ridge_point else "memory",
-                     "seconds": max(flops / hw.peak_flops, nbytes / hw.hbm_bytes_per_s)})
-    layer = sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
-    return {"rows": rows, "intensity": layer, "ridge": hw.ridge_point,
-            "bound": "compute" if layer >= hw.ridge_point else "memory"}

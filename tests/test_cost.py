@@ -26,10 +26,11 @@ from course_lib.hardware import (
     fit_matmul_curve,
     matmul_rate,
 )
-from course_lib.kernel_times import STREAM_SHARE, attention_rate, roofline
+from course_lib.kernel_times import STREAM_SHARE, attention_rate
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
 from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
+from course_lib.roofline import roofline
 
 BATCH, SEQ = 2, 16
 
@@ -475,6 +476,20 @@ def test_causal_flash_attention_runs_half_the_square():
     assert full.flops == pytest.approx(3.5 * square) and causal.flops == pytest.approx(full.flops / 2)
     assert causal.bound == "compute" and causal.seconds == pytest.approx(full.seconds / 2 * 326 / 294)
 
+
+
+def test_a_card_clocked_lower_runs_its_familys_attention_kernels_that_much_slower():
+    """attention_rate scales a family's benchmarks by the card's peak against the benchmarked cards' (FAMILY_PEAK):
+    by 1 on every card of the catalogue, by 835/989 on an H100 at the NVL's peak (torchtitan's 500 W cards, as
+    published.GRAND_TETON_H100 prices them), as its matmuls are."""
+    from course_lib.kernel_times import FAMILIES, FAMILY_PEAK
+    assert all(FAMILY_PEAK[FAMILIES[name.split()[0]]] == gpu.peak_flops for name, gpu in GPUS.items())
+    h100 = find_gpu("H100 SXM")
+    slower = dataclasses.replace(h100, peak_flops=835e12)
+    for kernel in ("flash", "flash3", "efficient", "triton"):
+        assert attention_rate(slower, kernel, 4096, 128) == pytest.approx(
+            attention_rate(h100, kernel, 4096, 128) * 835 / 989)
+    assert matmul_rate(slower, 4096, 4096, 4096) == pytest.approx(matmul_rate(h100, 4096, 4096, 4096) * 835 / 989)
 
 # The FlashAttention-2 figures' "Pytorch" bars (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png and
 # flash2_h100_fwd_bwd_benchmark.png; benchmarks/benchmark_flash_attention.py's attention_pytorch, fp16, batch 16k

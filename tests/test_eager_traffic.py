@@ -1,14 +1,15 @@
 """course_lib.eager_traffic: the count on the meta device is the count of the model run for real on this CPU, a TP
-rank's layer keeps its norms whole, and a machine that runs the model eagerly is costed with it."""
+rank's layer keeps its norms whole, and a machine that runs the model eagerly is costed with it, as is a GPU run
+whose code dispatches its memory-bound ops one by one (kernel_times' elementwise_ops)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from course_lib.eager_traffic import head_traffic, layer_traffic
+from course_lib.eager_traffic import head_traffic, layer_traffic, without_norms
 from course_lib.hardware import GPUS
-from course_lib.kernel_times import layer_operations
+from course_lib.kernel_times import head_operations, layer_operations
 from course_lib.model import preset, widened
 
 TINY = preset("tiny")
@@ -63,6 +64,41 @@ def test_eager_moves_more_than_the_fused_count_and_is_costed_at_bandwidth():
     (recomputed,) = [op for op in layer_operations(wide, eager_gpu, recompute="full", **big)
                      if op.name.startswith("elementwise")]
     assert recomputed.bytes == eager.bytes + layer_traffic(wide, **big)["forward"].bytes   # the forward again
+
+
+def test_a_gpu_run_eager_or_eager_but_for_its_norms():
+    """elementwise_ops: "eager" prices a catalogue GPU's layer as eager_traffic counts it (as the calibrated CPU
+    is), each op at a copy's rate; "eager, fused norm" (torchtitan's fused_rmsnorm) takes the two norms out of the
+    count and runs them as one fused kernel each; the head likewise its final norm. Bytes: fused < eager but the
+    norms < eager."""
+    h100, wide = GPUS["H100 SXM"], preset("tiny", **widened(1024))
+    big = dict(micro_batch_size=2, seq_len=512, bytes_per_element=2)
+
+    def layer(ops):
+        return {op.name: op for op in layer_operations(wide, h100, recompute="op", elementwise_ops=ops, **big)}
+    fused, eager, but_norms = layer("fused"), layer("eager"), layer("eager, fused norm")
+    as_the_cpu = {op.name: op for op in layer_operations(wide, replace(h100, eager_elementwise=True),
+                                                         recompute="op", **big)}
+    assert eager.keys() == as_the_cpu.keys() and eager["elementwise ops, as model.py runs them"].bytes == as_the_cpu[
+        "elementwise ops, as model.py runs them"].bytes
+    counted = layer_traffic(wide, **big)
+    total = counted["forward"].bytes * 2 + counted["backward"].bytes          # the forward again: recomputed
+    assert eager["elementwise ops, as model.py runs them"].bytes == total
+    rest = but_norms["elementwise ops but the norms, as model.py runs them"]
+    left = without_norms(counted, wide, norms=2, **big)
+    assert rest.bytes == left["forward"].bytes * 2 + left["backward"].bytes
+    assert but_norms["RMSNorm ×2"] == fused["RMSNorm ×2"] and "rotary" not in but_norms
+    assert 0 < rest.bytes < total and rest.kernels < eager["elementwise ops, as model.py runs them"].kernels
+    memory_bound = ("rotary", "RMSNorm ×2", "residual add ×2", "SwiGLU products")
+    assert sum(fused[name].bytes for name in memory_bound) < rest.bytes + but_norms["RMSNorm ×2"].bytes < total
+    head = {ops: [op.name for op in head_operations(wide, h100, elementwise_ops=ops, **big)]
+            for ops in ("fused", "eager", "eager, fused norm")}
+    assert head["eager, fused norm"] == ["final RMSNorm", "head", "loss, as model.py runs it"]
+    assert head["eager"] == ["head", "final RMSNorm and loss, as model.py runs them"]
+    with pytest.raises(ValueError, match="elementwise_ops='compiled': one of 'fused', 'eager', 'eager, fused norm'"):
+        layer_operations(wide, h100, elementwise_ops="compiled", **big)
+    with pytest.raises(ValueError, match="elementwise_ops='compiled'"):
+        head_operations(wide, h100, elementwise_ops="compiled", **big)
 
 
 def test_what_it_cannot_count_is_refused():
