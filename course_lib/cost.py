@@ -100,7 +100,7 @@ last stage also runs the final norm, the head and the loss):
 
 Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
 
-3. a roofline for one layer: kernel_times.roofline. 4. The published runs live in course_lib.published
+3. a roofline for one layer: course_lib.roofline. 4. The published runs live in course_lib.published
 (compare_published), which builds on this module.
 """
 

@@ -30,8 +30,9 @@ CPU, calibrated), and for a run whose code dispatches them op by op (elementwise
 torch.compile; "eager, fused norm" where its norm is one Triton kernel), these rows, the final norm and the loss
 are the ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic
 counts them (the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the
-four rows above move 5.8 MB; Llama 3 8B's in bf16, 18.7 GB against 3.7). The course's rotary recomputes its
-angles each forward where torchtitan's multiplies precomputed ones: a few small ops more than torchtitan runs.
+four rows above move 5.8 MB; Llama 3 8B's in bf16, 18.7 GB against 3.7). The course's rotary rotates q and k
+in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies them as complex
+numbers in one: the count runs a little more than torchtitan does (tests/test_published.py).
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
@@ -70,7 +71,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .eager_traffic import head_traffic, layer_traffic, without_norms
-from .hardware import GPU, dimension_factor, matmul_rate
+from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
 # The memory-bound ops as a run's code dispatches them: one fused kernel each (Megatron's, MPT's, torch.compile's),
@@ -147,7 +148,8 @@ FLASH_TFLOPS.update({("H100", "efficient", causal, hd): _derived_efficient(causa
 # from. The flat ratio is kept, an approximation.
 TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
 FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
-FAMILY_PEAK = {"A100": 312e12, "H100": 989e12}      # the peak of the cards the benchmarks ran on (bf16, dense)
+FAMILY_PEAK = {family: GPUS[card].peak_flops for family, card in (("A100", "A100 80GB"), ("H100", "H100 SXM"))}
+# (the cards the benchmarks ran on: their bf16 dense peak)
 
 
 def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: bool = True) -> float:
@@ -266,6 +268,9 @@ def _eager_ops(gpu: GPU, elementwise_ops: str) -> bool:
     run's code dispatches them (ELEMENTWISE_OPS)."""
     if elementwise_ops not in ELEMENTWISE_OPS:
         raise ValueError(f"elementwise_ops={elementwise_ops!r}: one of {', '.join(map(repr, ELEMENTWISE_OPS))}")
+    if gpu.eager_elementwise and elementwise_ops == "eager, fused norm":
+        raise ValueError(f"elementwise_ops='eager, fused norm' on {gpu.name}: it runs the course's model, whose "
+                         "norms are no fused kernel")
     return gpu.eager_elementwise or elementwise_ops != "fused"
 
 
@@ -363,7 +368,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
 def head_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,
                     elementwise_ops: str = "fused", bytes_per_element: int = 2) -> list[Operation]:
     """The last stage's extra work per micro-batch: the final norm, the head's GEMM (split over ``vocab_split``
-    GPUs with a vocab-parallel head) and the loss over the logits."""
+    GPUs with a vocab-parallel head) and the loss over the logits (``elementwise_ops``: as layer_operations')."""
     T, d, e, V = micro_batch_size * seq_len, config.hidden, bytes_per_element, config.vocab_size // vocab_split
     norm = elementwise("final RMSNorm", gpu, 2 * T * d * e, 3 * T * d * e, 2.5 / e, False)
     if _eager_ops(gpu, elementwise_ops):              # the course's model, op by op (eager_traffic)
@@ -372,7 +377,8 @@ def head_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, vo
         if elementwise_ops == "eager, fused norm":
             counted = without_norms(counted, config, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                     bytes_per_element=e, norms=1)
-            return [norm, matmul("head", gpu, T, d, V, e, 3), eager("loss, as model.py runs it", gpu, counted, e, False)]
+            return [norm, matmul("head", gpu, T, d, V, e, 3),
+                    eager("loss, as model.py runs it", gpu, counted, e, False)]
         return [matmul("head", gpu, T, d, V, e, 3), eager("final RMSNorm and loss, as model.py runs them", gpu,
                                                           counted, e, False)]
     return [norm, matmul("head", gpu, T, d, V, e, 3),

@@ -477,7 +477,6 @@ def test_causal_flash_attention_runs_half_the_square():
     assert causal.bound == "compute" and causal.seconds == pytest.approx(full.seconds / 2 * 326 / 294)
 
 
-
 def test_a_card_clocked_lower_runs_its_familys_attention_kernels_that_much_slower():
     """attention_rate scales a family's benchmarks by the card's peak against the benchmarked cards' (FAMILY_PEAK):
     by 1 on every card of the catalogue, by 835/989 on an H100 at the NVL's peak (torchtitan's 500 W cards, as
@@ -490,6 +489,7 @@ def test_a_card_clocked_lower_runs_its_familys_attention_kernels_that_much_slowe
         assert attention_rate(slower, kernel, 4096, 128) == pytest.approx(
             attention_rate(h100, kernel, 4096, 128) * 835 / 989)
     assert matmul_rate(slower, 4096, 4096, 4096) == pytest.approx(matmul_rate(h100, 4096, 4096, 4096) * 835 / 989)
+
 
 # The FlashAttention-2 figures' "Pytorch" bars (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png and
 # flash2_h100_fwd_bwd_benchmark.png; benchmarks/benchmark_flash_attention.py's attention_pytorch, fp16, batch 16k

@@ -111,6 +111,8 @@ def test_what_it_cannot_count_is_refused():
     eager_gpu = replace(GPUS["A100 80GB"], eager_elementwise=True)
     with pytest.raises(ValueError, match="sequence_parallel=True"):
         layer_operations(TINY, eager_gpu, tp=2, sequence_parallel=True, **SHAPE)
+    with pytest.raises(ValueError, match="elementwise_ops='eager, fused norm' on .*: it runs the course's model"):
+        layer_operations(TINY, eager_gpu, elementwise_ops="eager, fused norm", **SHAPE)
 
 
 def test_counting_leaves_no_state_behind_and_shares_none():

@@ -112,7 +112,9 @@ def test_reports_read_their_files(reports):
     assert reports["zero3_llama2_7b.json"][1]["framework_dp_bytes"] is None
     _, titan = reports["llama2_70b_fsdp_tp.toml"]
     assert titan["mesh"] == "Mesh(dp=8, tp=8, pp=1)" and titan["zero_stage"] == 3
-    assert any("[compile]" in line for line in titan["not_modelled"])
+    assert not any("compile" in line for line in titan["not_modelled"])     # [compile] enable = true: fused, as timed
+    eager = reports["llama3_8b.toml"][1]["not_modelled"]                      # no [compile]: torchtitan runs eagerly
+    assert any(line.startswith("no torch.compile (its default)") for line in eager)
     read, gpt3 = reports["gpt3_175b_3d.sh"]
     assert gpt3["gpus"] == 1024 and read.job.num_chunks == 4 and read.job.sequence_parallel
     assert read.job.config.vocab_size == 51200 and gpt3["num_microbatches"] == 96

@@ -165,6 +165,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     # ZeRO-3's gathers and reduce-scatters counted exposed, as the published FSDP runs fit (FSDP_OVERLAP); ZeRO-1
     # and 2 hide half their gradient reduction behind backward with overlap_comm, as DDP's buckets do
     overlap = FSDP_OVERLAP if stage == 3 else 0.5 if overlap else 0.0
+    not_modelled.append("a Hugging Face model in eager PyTorch: its norms, rotary and SwiGLU products run op by op, "
+                        "timed as fused kernels (torchtitan's eager runs: published.TORCHTITAN_H100)")
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
                       dp_overlap=overlap)
 
