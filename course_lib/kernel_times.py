@@ -25,13 +25,14 @@ sequence parallelism, 1 without: each TP rank repeats them on the whole activati
 Each streams its bytes at its own share of a plain copy's rate, as one H200 measured it (STREAM_SHARE: a norm
 0.66, SwiGLU's product 0.80, the loss 0.35, Adam's step 0.73, a residual add 1).
 
-Eager PyTorch has no such kernels: on a machine that runs the course's own model (GPU.eager_elementwise: this
-CPU, calibrated), and for a run whose code dispatches them op by op (elementwise_ops="eager": torchtitan without
-torch.compile; "eager, fused norm" where its norm is one Triton kernel), these rows, the final norm and the loss
-are the ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic
-counts them (the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the
-four rows above move 5.8 MB; Llama 3 8B's in bf16, 18.7 GB against 3.7). The course's rotary rotates q and k
-in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies them as complex
+Eager PyTorch has no such kernels: on a machine that runs the course's own model (GPU.eager_elementwise: this CPU,
+calibrated), and for a run whose code dispatches them op by op (elementwise_ops="eager": torchtitan without
+torch.compile; "eager, fused norm" where its norm is one kernel), these rows, the final norm and the loss are the
+ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic counts them
+(the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above
+move 5.8 MB; Llama 3 8B's, one sequence of 8,192 tokens in bf16, 18.7 GB against 3.7). With sequence parallelism a
+GPU run's norms are taken as fused kernels on its T/t rows, the rest as counted. The course's rotary rotates q and
+k in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies them as complex
 numbers in one: the count runs a little more than torchtitan does (tests/test_published.py).
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
@@ -348,11 +349,11 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     rows = T // t if sequence_parallel else T
     norms = elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun)
     if eager_ops:                                     # the course's model, op by op (eager_traffic)
-        if sequence_parallel:
-            raise ValueError("sequence_parallel=True with elementwise ops run eagerly: eager_traffic counts a TP "
-                             "rank's layer on every row")
+        if sequence_parallel and gpu.eager_elementwise:
+            raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
+                             "eager_traffic counts a TP rank's layer on every row")
         counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
-        if elementwise_ops == "eager, fused norm":
+        if elementwise_ops == "eager, fused norm" or sequence_parallel:       # SP: fused norms on T/t rows
             counted = without_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2)
             return ops + [norms, eager("elementwise ops but the norms, as model.py runs them", gpu, counted, e,
                                        block_rerun)]

@@ -2,8 +2,8 @@
 
 course_lib.published.compare_published marks each row more than 5 points off with one of these, or with nothing:
 
-    ran on another GPU    the source ran on a card the catalogue does not hold (PublishedRun.ran_on): on that card
-                          the model lands within 5 points
+    ran on another GPU    the source ran on a card the catalogue does not hold (PublishedRun.ran_on): on that card,
+                          as far as its source describes it, the model lands within 5 points
     above the ceiling     the source reports more than the model's kernels alone would reach, with no
                           communication, bubble or optimizer (kernel_ceiling): only faster kernels reach it, and
                           best_kernels_ceiling says how near the fastest GEMMs ever measured on its GPU it ran

@@ -95,6 +95,13 @@ def test_a_gpu_run_eager_or_eager_but_for_its_norms():
             for ops in ("fused", "eager", "eager, fused norm")}
     assert head["eager, fused norm"] == ["final RMSNorm", "head", "loss, as model.py runs it"]
     assert head["eager"] == ["head", "final RMSNorm and loss, as model.py runs them"]
+    # sequence parallelism: the norms fused on the rank's T/t rows (a GPU run's; this CPU's refuses it, below)
+    split = {op.name: op for op in layer_operations(wide, h100, tp=2, sequence_parallel=True, recompute="op",
+                                                    elementwise_ops="eager", **big)}
+    fused_split = {op.name: op for op in layer_operations(wide, h100, tp=2, sequence_parallel=True, recompute="op",
+                                                          **big)}
+    assert split["RMSNorm ×2"] == fused_split["RMSNorm ×2"] and split["RMSNorm ×2"].bytes < fused["RMSNorm ×2"].bytes
+    assert "elementwise ops but the norms, as model.py runs them" in split
     with pytest.raises(ValueError, match="elementwise_ops='compiled': one of 'fused', 'eager', 'eager, fused norm'"):
         layer_operations(wide, h100, elementwise_ops="compiled", **big)
     with pytest.raises(ValueError, match="elementwise_ops='compiled'"):

@@ -165,10 +165,13 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     # ZeRO-3's gathers and reduce-scatters counted exposed, as the published FSDP runs fit (FSDP_OVERLAP); ZeRO-1
     # and 2 hide half their gradient reduction behind backward with overlap_comm, as DDP's buckets do
     overlap = FSDP_OVERLAP if stage == 3 else 0.5 if overlap else 0.0
-    not_modelled.append("a Hugging Face model in eager PyTorch: its norms, rotary and SwiGLU products run op by op, "
-                        "timed as fused kernels (torchtitan's eager runs: published.TORCHTITAN_H100)")
+    eager = not config.num_experts         # eager_traffic cannot route tokens: a mixture of experts timed fused
+    conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused kernels "
+                       "(Liger): its norms, rotary, SwiGLU products and residual adds "
+                       + ("op by op, timed as eager PyTorch runs the course's model" if eager else
+                          "timed as fused kernels (the eager count has no experts)"))
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
-                      dp_overlap=overlap)
+                      dp_overlap=overlap, elementwise_ops="eager" if eager else "fused")
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:

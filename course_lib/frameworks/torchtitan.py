@@ -44,7 +44,7 @@ VOCAB = {"llama3": (128256, 500000.0), "llama2": (32000, 10000.0)}   # the token
 
 # Every key the reader takes (section -> keys); the keys that change nothing counted here are accepted too.
 READ = {
-    "model": {"name", "flavor"},
+    "model": {"name", "flavor", "norm_type"},
     "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "mixed_precision_param",
                  "mixed_precision_reduce"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
@@ -211,11 +211,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                            "Adam (2 + 2 + 12): the same 16 bytes per parameter, all sharded"
                            + ("; gradients reduced in fp32: the report shows both dp byte counts" if dtype == "bf16"
                               and reduce == "float32" else ""))
-    if not toml.get("compile", {}).get("enable", False):
-        (_, eager, compiled), *_ = TORCHTITAN_H100_TPS
-        not_modelled.append("no torch.compile (its default): the norms, rotary and SwiGLU products run op by op, "
-                            f"timed as fused kernels (torchtitan's own H100 benchmark ran {1 - eager / compiled:.0%} "
-                            "fewer tokens/s without it: published.TORCHTITAN_H100)")
+    elementwise_ops = _elementwise_ops(toml, conventions)
     if mesh.pp > 1:
         conventions.append("the layers split evenly over the stages (torchtitan's default gives the first and the "
                            "last stage one layer less, for the embedding and the head)")
@@ -232,7 +228,27 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       functools.partial(spell, global_batch_size=global_batch if explicit else None),
                       grad_reduce_bytes=4 if fp32_reduce else None,
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
-                      dp_overlap=FSDP_OVERLAP)   # FSDP2's traffic counted exposed, as its published runs fit
+                      dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
+                      elementwise_ops=elementwise_ops)
+
+
+def _elementwise_ops(toml: dict, conventions: list[str]) -> str:
+    """How the run dispatches its memory-bound ops (kernel_times.ELEMENTWISE_OPS): fused by torch.compile, or one
+    by one (torchtitan's default), its norms one kernel (nn.RMSNorm: torch's fused rms_norm on a GPU; the older
+    norm_type = "fused_rmsnorm") unless an older file says norm_type = "rmsnorm" (torchtitan's own, op by op)."""
+    compile_section = toml.get("compile", {})
+    if compile_section.get("enable", False) and "model" in compile_section.get("components", ["model"]):
+        conventions.append("torch.compile: the norms, rotary, SwiGLU products and residual adds fused")
+        return "fused"
+    (_, eager, compiled), *_ = TORCHTITAN_H100_TPS
+    norm = _text(toml.get("model", {}), "norm_type", "", "model")     # "": a current file's nn.RMSNorm
+    by_op = norm == "rmsnorm"          # torchtitan's own RMSNorm class; layer norms and fused_rmsnorm are one kernel
+    conventions.append(f"no torch.compile (its default): rotary, SwiGLU products and residual adds op by op, timed as "
+                       f"eager PyTorch runs the course's model, the norms ({norm or 'nn.RMSNorm'}) "
+                       + ("op by op too" if by_op else "one kernel each")
+                       + f" (torchtitan's own H100 benchmark ran {1 - eager / compiled:.0%} fewer tokens/s than "
+                       "compiled: published.TORCHTITAN_H100)")
+    return "eager" if by_op else "eager, fused norm"
 
 
 def _mesh(parallel: dict, num_gpus: int | None) -> tuple[Mesh, bool]:
