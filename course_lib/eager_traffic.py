@@ -169,10 +169,13 @@ def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vo
 
 
 def without_norms(counted: Mapping, config: ModelConfig, *, micro_batch_size: int, seq_len: int,
-                  bytes_per_element: int, norms: int) -> dict:
+                  bytes_per_element: int, norms: int, sequence_split: int = 1) -> dict:
     """``counted`` (layer_traffic's or head_traffic's) less ``norms`` RMSNorms as model.py dispatches them: what a
-    framework with a fused norm kernel and the rest op by op (torchtitan's fused_rmsnorm) runs eagerly."""
+    framework with a fused norm kernel and the rest op by op (torchtitan's fused_rmsnorm) runs eagerly.
+    ``sequence_split`` t > 1 (a layer under sequence parallelism): its two residual adds, which then run on T/t
+    rows, less (1 - 1/t) of their bytes too (an add reads two and writes one, forward and backward)."""
     norm = _counted("norm", _fields(config, bytes_per_element), micro_batch_size, seq_len, 1, bytes_per_element,
                     "meta")
-    return {way: Traffic(counted[way].kernels - norms * norm[way].kernels, counted[way].bytes - norms * norm[way].bytes)
-            for way in ("forward", "backward")}
+    adds = 2 * 3 * micro_batch_size * seq_len * config.hidden * bytes_per_element * (1 - 1 / sequence_split)
+    return {way: Traffic(counted[way].kernels - norms * norm[way].kernels,
+                         counted[way].bytes - norms * norm[way].bytes - round(adds)) for way in ("forward", "backward")}

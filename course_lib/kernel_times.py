@@ -31,9 +31,9 @@ torch.compile; "eager, fused norm" where its norm is one kernel), these rows, th
 ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic counts them
 (the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above
 move 5.8 MB; Llama 3 8B's, one sequence of 8,192 tokens in bf16, 18.7 GB against 3.7). With sequence parallelism a
-GPU run's norms are taken as fused kernels on its T/t rows, the rest as counted. The course's rotary rotates q and
-k in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies them as complex
-numbers in one: the count runs a little more than torchtitan does (tests/test_published.py).
+GPU run's norms are taken as fused kernels on its T/t rows and its residual adds' bytes cut to 1/t. The course's
+rotary rotates q and k in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies
+them as complex numbers in one: the count runs a little more than torchtitan does (tests/test_published.py).
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
@@ -353,8 +353,10 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
             raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
                              "eager_traffic counts a TP rank's layer on every row")
         counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
-        if elementwise_ops == "eager, fused norm" or sequence_parallel:       # SP: fused norms on T/t rows
-            counted = without_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2)
+        split = t if sequence_parallel else 1          # SP: the norms fused, they and the adds on T/t rows
+        if elementwise_ops == "eager, fused norm" or split > 1:
+            counted = without_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2,
+                                    sequence_split=split)
             return ops + [norms, eager("elementwise ops but the norms, as model.py runs them", gpu, counted, e,
                                        block_rerun)]
         return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]

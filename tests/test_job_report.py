@@ -108,19 +108,47 @@ def test_deepspeed_estimator_beside_the_paper(reports):
     assert "estimator prints" in format_report(report)
 
 
+@pytest.mark.parametrize("model, rest, ops", [
+    ("", "", "eager, fused norm"),                                      # nn.RMSNorm: one kernel, the rest eager
+    ("", "[compile]\nenable = true\n", "fused"),
+    ("", '[compile]\nenable = true\ncomponents = ["loss"]\n', "eager, fused norm"),   # the model not compiled
+    ("", '[compile]\nenable = true\nbackend = "aot_eager"\n', "eager, fused norm"),   # no Inductor, no fusion
+    ("", "[training]\ncompile = true\n", "fused"),                         # an older file's switch
+    ('norm_type = "RMSNorm"\n', "", "eager"),                              # torchtitan's own class, op by op
+    ('norm_type = "fused_rmsnorm"\n', "", "eager, fused norm"),
+])
+def test_torchtitan_memory_bound_ops_as_the_file_runs_them(tmp_path, model, rest, ops):
+    """kernel_times.ELEMENTWISE_OPS from a torchtitan file: compiled by Inductor, fused; else op by op, its norms
+    one kernel unless an older file names torchtitan's own RMSNorm class."""
+    (tmp_path / "t.toml").write_text('[model]\nflavor = "8B"\n' + model + rest)
+    read = read_config(tmp_path / "t.toml", num_gpus=8)
+    assert read.elementwise_ops == ops
+    assert any(("op by op" in line) == (ops != "fused") for line in read.conventions)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[compile]\nenable = "false"\n', "a true or false"),
+    ('[model]\nflavor = "8B"\nnorm_type = "foo"\n', "norm_type = 'foo': one of rmsnorm")])
+def test_torchtitan_compile_and_norm_keys_are_checked(tmp_path, text, match):
+    (tmp_path / "t.toml").write_text(text if text.startswith("[model]") else '[model]\nflavor = "8B"\n' + text)
+    with pytest.raises(ConfigError, match=match):
+        read_config(tmp_path / "t.toml", num_gpus=8)
+
+
 def test_reports_read_their_files(reports):
     _, titan8 = reports["llama3_8b.toml"]     # FSDP2 reduces in fp32: its reduce-scatter moves twice the bytes
     assert titan8["framework_dp_bytes"] == pytest.approx(titan8["sent_bytes"]["dp"] * 4 / 3, rel=1e-9)  # 2 AG + RS
     assert reports["zero3_llama2_7b.json"][1]["framework_dp_bytes"] is None
     _, titan = reports["llama2_70b_fsdp_tp.toml"]
     assert titan["mesh"] == "Mesh(dp=8, tp=8, pp=1)" and titan["zero_stage"] == 3
-    assert not any("compile" in line for line in titan["not_modelled"])     # [compile] enable = true: fused, as timed
-    assert any(line.startswith("torch.compile: ") for line in titan["conventions"])
+    assert any(line.startswith("torch.compile: ") for line in titan["conventions"])   # [compile] enable = true
     eager, _ = reports["llama3_8b.toml"]                                     # no [compile]: torchtitan runs eagerly
     assert any(line.startswith("no torch.compile (its default)") for line in eager.conventions)
     assert (reports["llama2_70b_fsdp_tp.toml"][0].elementwise_ops, eager.elementwise_ops,
             reports["gpt3_175b_3d.sh"][0].elementwise_ops, reports["zero3_llama2_7b.json"][0].elementwise_ops) == (
         "fused", "eager, fused norm", "fused", "eager")    # nn.RMSNorm is one kernel; a Hugging Face norm is not
+    mixtral, _ = reports["zero3_mixtral_offload.json"]                     # the eager count cannot route tokens
+    assert mixtral.elementwise_ops == "fused" and any("mixture of experts" in line for line in mixtral.not_modelled)
     read, gpt3 = reports["gpt3_175b_3d.sh"]
     assert gpt3["gpus"] == 1024 and read.job.num_chunks == 4 and read.job.sequence_parallel
     assert read.job.config.vocab_size == 51200 and gpt3["num_microbatches"] == 96

@@ -166,10 +166,13 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     # and 2 hide half their gradient reduction behind backward with overlap_comm, as DDP's buckets do
     overlap = FSDP_OVERLAP if stage == 3 else 0.5 if overlap else 0.0
     eager = not config.num_experts         # eager_traffic cannot route tokens: a mixture of experts timed fused
-    conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused kernels "
-                       "(Liger): its norms, rotary, SwiGLU products and residual adds "
-                       + ("op by op, timed as eager PyTorch runs the course's model" if eager else
-                          "timed as fused kernels (the eager count has no experts)"))
+    if eager:
+        conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused "
+                           "kernels (Liger): its norms, rotary, SwiGLU products and residual adds op by op, timed as "
+                           "eager PyTorch runs the course's model")
+    else:
+        not_modelled.append("a mixture of experts in eager PyTorch: its norms, rotary, SwiGLU products and residual "
+                            "adds timed as fused kernels (the eager count cannot route tokens), a lower bound")
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
                       dp_overlap=overlap, elementwise_ops="eager" if eager else "fused")
 

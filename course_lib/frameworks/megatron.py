@@ -51,7 +51,7 @@ NO_EFFECT = {
     "load", "save-interval", "eval-interval", "eval-iters", "log-interval", "tensorboard-dir", "seed",
     "attention-dropout", "hidden-dropout", "distributed-backend", "use-mcore-models", "transformer-impl",
     "mock-data", "ckpt-format", "log-throughput", "log-timers-to-tensorboard", "wandb-project", "wandb-exp-name",
-    "no-masked-softmax-fusion", "no-bias-gelu-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
+    "no-masked-softmax-fusion", "no-bias-gelu-fusion",
     "no-gradient-accumulation-fusion", "no-position-embedding", "data-cache-path", "exit-duration-in-mins",
     "timing-log-level", "master_addr", "master-addr", "master_port", "master-port", "node_rank", "node-rank",
     "rdzv_backend", "rdzv-backend", "rdzv_endpoint", "rdzv-endpoint", "rdzv_id", "rdzv-id", "norm-epsilon",
@@ -60,6 +60,8 @@ NO_EFFECT = {
 }
 NOT_MODELLED = {
     "fp8-format": "FP8 matmuls (Transformer Engine): the course times and counts bf16",
+    "no-bias-swiglu-fusion": "SwiGLU's product op by op: timed as Megatron's fused kernel",
+    "no-bias-dropout-fusion": "the residual add and dropout op by op: timed as a fused kernel",
     "cpu-offloading": "activation and weight offload to the CPU: counted on the GPU, an upper bound",
     "multi-latent-attention": "MLA (DeepSeek's attention): the course model's attention is grouped-query",
     "use-torch-fsdp2": "Megatron's FSDP2 path: counted as the distributed optimizer (ZeRO-1) or DDP",

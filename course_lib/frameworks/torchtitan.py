@@ -46,7 +46,7 @@ VOCAB = {"llama3": (128256, 500000.0), "llama2": (32000, 10000.0)}   # the token
 READ = {
     "model": {"name", "flavor", "norm_type"},
     "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "mixed_precision_param",
-                 "mixed_precision_reduce"},
+                 "mixed_precision_reduce", "compile"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
                     "context_parallel_degree", "expert_parallel_degree", "fsdp_reshard_after_forward",
@@ -78,6 +78,7 @@ NOT_MODELLED = {   # (section, key or None for the whole section when present an
                                                      "timed without the overlap",
     ("parallelism", "module_fqns_per_model_part"): "stages split by hand: the course splits the layers evenly",
 }
+NORM_TYPES = ("", "rmsnorm", "fused_rmsnorm", "compiled_rmsnorm", "layernorm", "np_layernorm")   # older files'
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved"}   # torch's names, any case
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
 
@@ -211,7 +212,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                            "Adam (2 + 2 + 12): the same 16 bytes per parameter, all sharded"
                            + ("; gradients reduced in fp32: the report shows both dp byte counts" if dtype == "bf16"
                               and reduce == "float32" else ""))
-    elementwise_ops = _elementwise_ops(toml, conventions)
+    elementwise_ops = _elementwise_ops(toml, mesh.tp, conventions)
     if mesh.pp > 1:
         conventions.append("the layers split evenly over the stages (torchtitan's default gives the first and the "
                            "last stage one layer less, for the embedding and the head)")
@@ -232,19 +233,29 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       elementwise_ops=elementwise_ops)
 
 
-def _elementwise_ops(toml: dict, conventions: list[str]) -> str:
-    """How the run dispatches its memory-bound ops (kernel_times.ELEMENTWISE_OPS): fused by torch.compile, or one
-    by one (torchtitan's default), its norms one kernel (nn.RMSNorm: torch's fused rms_norm on a GPU; the older
-    norm_type = "fused_rmsnorm") unless an older file says norm_type = "rmsnorm" (torchtitan's own, op by op)."""
-    compile_section = toml.get("compile", {})
-    if compile_section.get("enable", False) and "model" in compile_section.get("components", ["model"]):
+def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
+    """How the run dispatches its memory-bound ops (kernel_times.ELEMENTWISE_OPS): fused by torch.compile's
+    Inductor ([compile] enable with the model among its components; an older file's [training] compile), or one by
+    one (torchtitan's default), its norms one kernel (nn.RMSNorm: torch's fused rms_norm on a GPU from torch 2.9;
+    an older norm_type other than "rmsnorm", torchtitan's own class, op by op)."""
+    section = toml.get("compile", {})
+    enable = section.get("enable", toml.get("training", {}).get("compile", False))
+    components, backend = section.get("components", ["model", "loss"]), _text(section, "backend", "inductor", "compile")
+    if not isinstance(enable, bool) or not isinstance(components, list):
+        raise ConfigError(f"[compile] enable = {enable!r}, components = {components!r}: a true or false, and a list "
+                          '(["model", "loss"])')
+    if enable and "model" in components and backend == "inductor":
         conventions.append("torch.compile: the norms, rotary, SwiGLU products and residual adds fused")
         return "fused"
+    norm = _text(toml.get("model", {}), "norm_type", "", "model").lower()   # "": a current file's nn.RMSNorm
+    if norm not in NORM_TYPES:
+        raise ConfigError(f"[model] norm_type = {norm!r}: one of {', '.join(NORM_TYPES[1:])}")
+    by_op = norm == "rmsnorm" and tp == 1     # torchtitan's own class; with TP, sequence parallelism's fused norm
     (_, eager, compiled), *_ = TORCHTITAN_H100_TPS
-    norm = _text(toml.get("model", {}), "norm_type", "", "model")     # "": a current file's nn.RMSNorm
-    by_op = norm == "rmsnorm"          # torchtitan's own RMSNorm class; layer norms and fused_rmsnorm are one kernel
-    conventions.append(f"no torch.compile (its default): rotary, SwiGLU products and residual adds op by op, timed as "
-                       f"eager PyTorch runs the course's model, the norms ({norm or 'nn.RMSNorm'}) "
+    why = ("no torch.compile (its default)" if not enable else f"torch.compile with backend {backend!r}"
+           if backend != "inductor" else f"torch.compile of {components} only")
+    conventions.append(f"{why}: rotary, SwiGLU products and residual adds op by op, timed as eager PyTorch runs the "
+                       f"course's model, the norms ({norm or 'nn.RMSNorm, torch >= 2.9'}) "
                        + ("op by op too" if by_op else "one kernel each")
                        + f" (torchtitan's own H100 benchmark ran {1 - eager / compiled:.0%} fewer tokens/s than "
                        "compiled: published.TORCHTITAN_H100)")
