@@ -247,7 +247,7 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden=4096, num_layers=32, num_heads
 LLAMA3_70B = dataclasses.replace(preset("llama2-70b"), vocab_size=128256, max_seq_len=8192, rope_theta=500000.0)
 LLAMA2_13B = ModelConfig(vocab_size=32000, hidden=5120, num_layers=40, num_heads=40, num_kv_heads=40,
                          intermediate=13824, max_seq_len=4096)
-# (model, config, sequence, local batch, recomputation, WPS, the table's row as printed); each model's norm_type
+# (model, config, sequence, local batch, recomputation, WPS, the table's row as printed)
 TORCHTITAN_A100 = [
     ("Llama 3 8B", LLAMA3_8B, 8192, 1, "op", 2973, "| 8B | 1 | selective op | 2973 | 58.2% |"),
     ("Llama 3 70B", LLAMA3_70B, 8192, 1, "full", 331, "| 70B | 1 | full | 331 | 51.7% |"),
@@ -258,6 +258,7 @@ TORCHTITAN_A100 = [
 ]
 
 
+# each model's norm_type in its train_configs toml at 1ea476e9f
 TORCHTITAN_NORM = {"Llama 3 8B": "fused_rmsnorm", "Llama 3 70B": "rmsnorm", "Llama 2 13B": "fused_rmsnorm",
                    "Llama 2 70B": "rmsnorm"}
 

@@ -256,7 +256,8 @@ def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
            if backend != "inductor" else f"torch.compile of {components} only")
     conventions.append(f"{why}: rotary, SwiGLU products and residual adds op by op, timed as eager PyTorch runs the "
                        f"course's model, the norms ({norm or 'nn.RMSNorm, torch >= 2.9'}) "
-                       + ("op by op too" if by_op else "one kernel each")
+                       + ("op by op too" if by_op else "timed as one kernel each on TP's sequence shards"
+                          if norm == "rmsnorm" else "one kernel each")
                        + f" (torchtitan's own H100 benchmark ran {1 - eager / compiled:.0%} fewer tokens/s than "
                        "compiled: published.TORCHTITAN_H100)")
     return "eager" if by_op else "eager, fused norm"
