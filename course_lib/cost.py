@@ -100,7 +100,8 @@ last stage also runs the final norm, the head and the loss):
 
 Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
 
-3. a roofline for one layer: course_lib.roofline. 4. The published runs live in course_lib.published
+tp_s and dp_s are priced call by call in course_lib.collective_times. 3. a roofline for one layer:
+course_lib.roofline. 4. The published runs live in course_lib.published
 (compare_published), which builds on this module.
 """
 
@@ -108,15 +109,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .comm import wire_bytes
-from .hardware import GPU, collective_link, find_gpu, link_for, ring_latency, spread
+from .collective_times import dp_seconds, tp_seconds_per_layer
+from .hardware import GPU, collective_link, find_gpu, link_for
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .model import ModelConfig, param_count_formula
-from .per_rank import data_parallel_state_bytes, data_parallel_traffic, layers_per_rank
+from .per_rank import data_parallel_state_bytes
 from .pipeline_parallel import bubble_fraction, partition_layers, simulate
-from .tensor_parallel import tp_allreduce_bytes, tp_step_traffic
+from .tensor_parallel import tp_allreduce_bytes
 
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
 
@@ -236,8 +237,9 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
                        tp_overlap=tp_overlap)
     m = job.num_microbatches
-    stages = _stage_seconds(job, hw, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather,
-                            elementwise_ops)
+    stages = _stage_seconds(job, hw, compute_efficiency=compute_efficiency, tp_overlap=tp_overlap,
+                            pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
+                            elementwise_ops=elementwise_ops)
     compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
         exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
@@ -248,7 +250,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
     # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
     held = job.replace(num_chunks=1, schedule="1f1b")
-    dp_comm, dp, dp_link = _dp_seconds(held, hw, compute, dp_overlap)
+    dp_comm, dp, dp_link = dp_seconds(held, hw, compute, dp_overlap)
     optimizer = max(optimizer_operation(hw, _updated_params(held, stage), job.grad_bytes).seconds
                     for stage in range(job.mesh.pp))
     overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,
@@ -302,8 +304,8 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     return find_gpu(job.gpu)
 
 
-def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap, attention, scatter_gather,
-                   elementwise_ops):
+def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,
+                   attention: str, scatter_gather: bool, elementwise_ops: str):
     """One micro-batch on each pipeline stage: (compute, exposed tp, exposed pp seconds, its operations, its
     FLOPs) on one GPU of the stage; the slowest stage sets the pace (step_time's docstring)."""
     config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
@@ -316,7 +318,7 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute, config)
     layer_flops /= config.num_layers
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
-    tp_per_layer = _tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
+    tp_per_layer = tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
     pp_link = collective_link(hw, link_for(job.mesh.size, job.gpus_per_node, hw), "send")
     activation = tp_allreduce_bytes(b, seq_len, config.hidden, e)      # what one stage hands the next
     pp_bytes = activation // (t if job.sequence_parallel or scatter_gather else 1)
@@ -332,86 +334,6 @@ def _stage_seconds(job: Job, hw: GPU, compute_efficiency, tp_overlap, pp_overlap
                    else flops / (compute_efficiency * hw.peak_flops))
         stages.append((compute, len(layers) * tp_per_layer, pp_per_microbatch, ops, flops))
     return stages
-
-
-def _tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> float:
-    """A layer's TP collectives for one micro-batch, as many as tensor_parallel.tp_step_traffic counts for the
-    job's recomputation, less the backward's share hidden behind the weight-gradient GEMMs (× tp_overlap)."""
-    config, t = job.config, job.mesh.tp
-    if t == 1:
-        return 0.0
-    traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence, t, job.bytes_per_element,
-                              recompute=job.recompute)
-    per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
-    link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
-    ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
-    nodes = spread(t, t, job.gpus_per_node)[1]
-    one = sum(_latency(hw, link, op, t, nodes)
-              + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
-              for op in ops)
-    # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
-    weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
-    backward = 2 * one                                   # the backward's two all-reduces of the layer
-    return per_layer * one - min(tp_overlap * backward, weight_gradients)
-
-
-def _dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[float, float, str]:
-    """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
-    of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (step_time's
-    docstring): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute."""
-    mesh, m, zero = job.mesh, job.num_microbatches, job.zero
-    link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
-    if mesh.dp * mesh.cp == 1:
-        return 0.0, 0.0, link_name
-    busiest = (0.0, 0.0)
-    for stage in range(mesh.pp):
-        gradient = weight = 0.0
-        for group in data_parallel_traffic(job, stage):
-            link = link_for(group["span"], job.gpus_per_node, hw, group["size"])
-            nodes = spread(group["size"], group["span"], job.gpus_per_node)[1]
-            for op, nbytes in group["ops"].items():
-                latency = _latency(hw, link, op, group["size"], nodes)
-                rate = collective_link(hw, link, op).bytes_per_s
-                seconds = _calls(job, op, group) * _units(job, stage) * latency + nbytes / rate
-                if op == "all_gather":
-                    weight += seconds
-                else:
-                    gradient += seconds
-        if gradient + weight > sum(busiest):
-            busiest = (gradient, weight)
-    gradient, weight = busiest
-    backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
-    window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
-    if zero == 3 and not job.reshard_after_backward:
-        window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
-    hideable = gradient + weight if zero == 3 else gradient
-    return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
-
-
-def _latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
-    """One collective's latency: NCCL's ring model on a catalogue GPU (hardware.ring_latency), the measured α of
-    a calibrated machine's link for that op (gloo's, per call)."""
-    return ring_latency(op, ranks, nodes) if hw.nccl_rings else collective_link(hw, link, op).alpha_s
-
-
-def _units(job: Job, stage: int) -> int:
-    """How many units a rank of ``stage`` reduces (and ZeRO-3 gathers) one by one: each layer, the embedding on
-    the first stage, the final norm and head on the last (zero.default_units: FSDP's per-layer wrapping; the
-    course's ZeroDataParallel works unit by unit at every stage). Each unit's collective pays α."""
-    mesh = job.mesh
-    return (layers_per_rank(job.config, mesh, stage) + (stage == 0) + 2 * (stage == mesh.pp - 1))
-
-
-def _calls(job: Job, op: str, group: dict) -> int:
-    """How many collectives of ``op`` a step runs on ``group`` (each pays the link's α once): one a step, or one
-    per micro-batch where ZeRO-2/3 reduce each micro-step, two where ZeRO-3 gathers for forward and backward
-    (zero_bytes.wire_bytes_per_step's counts: once a step without resharding after backward)."""
-    m, zero = (job.num_microbatches if job.reshard_after_backward else 1), job.zero
-    if op == "all_gather" and zero == 3 and group["group"] != "dp_replicate":
-        return m * (2 if job.reshard_after_forward else 1)
-    if op == "reduce_scatter" and zero >= 2:
-        return m
-    return 1
 
 
 def _updated_params(job: Job, stage: int) -> int:

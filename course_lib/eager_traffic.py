@@ -168,12 +168,13 @@ def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vo
                     bytes_per_element, device)
 
 
-def without_norms(counted: Mapping, config: ModelConfig, *, micro_batch_size: int, seq_len: int,
+def all_but_norms(counted: Mapping, config: ModelConfig, *, micro_batch_size: int, seq_len: int,
                   bytes_per_element: int, norms: int, sequence_split: int = 1) -> dict:
-    """``counted`` (layer_traffic's or head_traffic's) less ``norms`` RMSNorms as model.py dispatches them: what a
-    framework with a fused norm kernel and the rest op by op (torchtitan's fused_rmsnorm) runs eagerly.
-    ``sequence_split`` t > 1 (a layer under sequence parallelism): its two residual adds, which then run on T/t
-    rows, less (1 - 1/t) of their bytes too (an add reads two and writes one, forward and backward)."""
+    """The ops still run one by one when the norms are fused kernels, timed apart (torchtitan's fused_rmsnorm,
+    torch's nn.RMSNorm on a GPU): ``counted`` (layer_traffic's or head_traffic's) less ``norms`` RMSNorms as
+    model.py dispatches them. ``sequence_split`` t > 1 (a layer under sequence parallelism): its two residual
+    adds, which then run on T/t rows, less (1 - 1/t) of their bytes too (an add reads two and writes one,
+    forward and backward)."""
     norm = _counted("norm", _fields(config, bytes_per_element), micro_batch_size, seq_len, 1, bytes_per_element,
                     "meta")
     adds = 2 * 3 * micro_batch_size * seq_len * config.hidden * bytes_per_element * (1 - 1 / sequence_split)

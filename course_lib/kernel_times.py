@@ -71,7 +71,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .eager_traffic import head_traffic, layer_traffic, without_norms
+from .eager_traffic import all_but_norms, head_traffic, layer_traffic
 from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
@@ -355,7 +355,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
         split = t if sequence_parallel else 1          # SP: the norms fused, they and the adds on T/t rows
         if elementwise_ops == "eager, fused norm" or split > 1:
-            counted = without_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2,
+            counted = all_but_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2,
                                     sequence_split=split)
             return ops + [norms, eager("elementwise ops but the norms, as model.py runs them", gpu, counted, e,
                                        block_rerun)]
@@ -378,7 +378,7 @@ def head_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, vo
         counted = head_traffic(config, micro_batch_size=micro_batch_size, seq_len=seq_len, vocab_split=vocab_split,
                                bytes_per_element=e)
         if elementwise_ops == "eager, fused norm":
-            counted = without_norms(counted, config, micro_batch_size=micro_batch_size, seq_len=seq_len,
+            counted = all_but_norms(counted, config, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                     bytes_per_element=e, norms=1)
             return [norm, matmul("head", gpu, T, d, V, e, 3),
                     eager("loss, as model.py runs it", gpu, counted, e, False)]

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib.eager_traffic import head_traffic, layer_traffic, without_norms
+from course_lib.eager_traffic import all_but_norms, head_traffic, layer_traffic
 from course_lib.hardware import GPUS
 from course_lib.kernel_times import head_operations, layer_operations
 from course_lib.model import preset, widened
@@ -85,7 +85,7 @@ def test_a_gpu_run_eager_or_eager_but_for_its_norms():
     total = counted["forward"].bytes * 2 + counted["backward"].bytes          # the forward again: recomputed
     assert eager["elementwise ops, as model.py runs them"].bytes == total
     rest = but_norms["elementwise ops but the norms, as model.py runs them"]
-    left = without_norms(counted, wide, norms=2, **big)
+    left = all_but_norms(counted, wide, norms=2, **big)
     assert rest.bytes == left["forward"].bytes * 2 + left["backward"].bytes
     assert but_norms["RMSNorm ×2"] == fused["RMSNorm ×2"] and "rotary" not in but_norms
     assert 0 < rest.bytes < total and rest.kernels < eager["elementwise ops, as model.py runs them"].kernels
@@ -103,7 +103,7 @@ def test_a_gpu_run_eager_or_eager_but_for_its_norms():
     assert split["RMSNorm ×2"].bytes == pytest.approx(fused["RMSNorm ×2"].bytes / 2)       # T/2 rows
     whole = layer_traffic(wide, tp=2, **big)                       # the count's adds cut to 1/t (2 reads, 1 write)
     adds = 2 * 3 * 2 * 512 * 1024 * 2 / 2
-    rest = without_norms(whole, wide, norms=2, **big)
+    rest = all_but_norms(whole, wide, norms=2, **big)
     assert split["elementwise ops but the norms, as model.py runs them"].bytes == pytest.approx(
         2 * (rest["forward"].bytes - adds) + rest["backward"].bytes - adds)
     assert fused_split["RMSNorm ×2"] == split["RMSNorm ×2"]

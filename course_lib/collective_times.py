@@ -1,0 +1,107 @@
+"""The collectives of one training step, priced: tensor parallelism's per layer and micro-batch, data
+parallelism's per step, each call at its latency plus its wire bytes over its link's bandwidth, then what hides
+behind compute. cost.step_time adds them to the kernels' time (course_lib.kernel_times); the formulas, with
+their sources, are cost.py's part 2 (tp_s and dp_s).
+
+    one call  = latency(op, ranks, nodes) + wire bytes(op) / β(link, op)
+    latency   = NCCL's ring model on a catalogue GPU (hardware.ring_latency: it grows with the ring), a
+                calibrated machine's measured α for that op (course_lib.calibration: gloo's, per call)
+    link      = hardware.link_for: NVLink inside a node, the NICs across nodes; β per op where the machine
+                measured it (hardware.collective_link: gloo's reduce-scatter costs more per byte than its
+                all-reduce)
+    tp        = a layer's all-reduces (or, with sequence parallelism, reduce-scatter + all-gather pairs) as
+                tensor_parallel.tp_step_traffic counts them, less the backward's share × tp_overlap, up to the
+                weight-gradient GEMMs' time
+    dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
+                embedding, the head) paying each call's latency, as many calls as the ZeRO stage makes; then
+                min(dp_overlap × what can hide, the window it can hide behind)
+"""
+
+from __future__ import annotations
+
+from .comm import wire_bytes
+from .hardware import GPU, collective_link, link_for, ring_latency, spread
+from .job import Job
+from .per_rank import data_parallel_traffic, layers_per_rank
+from .tensor_parallel import tp_step_traffic
+
+
+def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> float:
+    """A layer's TP collectives for one micro-batch, as many as tensor_parallel.tp_step_traffic counts for the
+    job's recomputation, less the backward's share hidden behind the weight-gradient GEMMs (× tp_overlap)."""
+    config, t = job.config, job.mesh.tp
+    if t == 1:
+        return 0.0
+    traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence, t, job.bytes_per_element,
+                              recompute=job.recompute)
+    per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
+    link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
+    ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
+    nodes = spread(t, t, job.gpus_per_node)[1]
+    one = sum(collective_latency(hw, link, op, t, nodes)
+              + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
+              for op in ops)
+    # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
+    weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
+    backward = 2 * one                                   # the backward's two all-reduces of the layer
+    return per_layer * one - min(tp_overlap * backward, weight_gradients)
+
+
+def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[float, float, str]:
+    """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
+    of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (cost.py's
+    part 2): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute."""
+    mesh, m, zero = job.mesh, job.num_microbatches, job.zero
+    link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
+    if mesh.dp * mesh.cp == 1:
+        return 0.0, 0.0, link_name
+    busiest = (0.0, 0.0)
+    for stage in range(mesh.pp):
+        gradient = weight = 0.0
+        for group in data_parallel_traffic(job, stage):
+            link = link_for(group["span"], job.gpus_per_node, hw, group["size"])
+            nodes = spread(group["size"], group["span"], job.gpus_per_node)[1]
+            for op, nbytes in group["ops"].items():
+                latency = collective_latency(hw, link, op, group["size"], nodes)
+                rate = collective_link(hw, link, op).bytes_per_s
+                seconds = calls_per_step(job, op, group) * units_reduced(job, stage) * latency + nbytes / rate
+                if op == "all_gather":
+                    weight += seconds
+                else:
+                    gradient += seconds
+        if gradient + weight > sum(busiest):
+            busiest = (gradient, weight)
+    gradient, weight = busiest
+    backward = 2 / 3 * compute         # backward's share of a micro-batch: two of its three matmul passes
+    window = {0: backward, 1: backward, 2: m * backward, 3: m * compute}[zero]
+    if zero == 3 and not job.reshard_after_backward:
+        window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
+    hideable = gradient + weight if zero == 3 else gradient
+    return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
+
+
+def collective_latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
+    """One collective's latency: NCCL's ring model on a catalogue GPU (hardware.ring_latency), the measured α of
+    a calibrated machine's link for that op (gloo's, per call)."""
+    return ring_latency(op, ranks, nodes) if hw.nccl_rings else collective_link(hw, link, op).alpha_s
+
+
+def units_reduced(job: Job, stage: int) -> int:
+    """How many units a rank of ``stage`` reduces (and ZeRO-3 gathers) one by one: each layer, the embedding on
+    the first stage, the final norm and head on the last (zero.default_units: FSDP's per-layer wrapping; the
+    course's ZeroDataParallel works unit by unit at every stage). Each unit's collective pays α."""
+    mesh = job.mesh
+    return (layers_per_rank(job.config, mesh, stage) + (stage == 0) + 2 * (stage == mesh.pp - 1))
+
+
+def calls_per_step(job: Job, op: str, group: dict) -> int:
+    """How many collectives of ``op`` a step runs on ``group`` (each pays the link's α once): one a step, or one
+    per micro-batch where ZeRO-2/3 reduce each micro-step, two where ZeRO-3 gathers for forward and backward
+    (zero_bytes.wire_bytes_per_step's counts: once a step without resharding after backward)."""
+    m, zero = (job.num_microbatches if job.reshard_after_backward else 1), job.zero
+    if op == "all_gather" and zero == 3 and group["group"] != "dp_replicate":
+        return m * (2 if job.reshard_after_forward else 1)
+    if op == "reduce_scatter" and zero >= 2:
+        return m
+    return 1
+
