@@ -34,7 +34,9 @@ process computing the same: an op that starts after a wait runs slower. The mode
 The 10× wider runs come out 5-14% low, most of it in their GEMMs. Measured on 2026-12-04 (each op timed by a torch
 dispatch mode, each collective by course_lib.comm's trace), the DDP run: its GEMMs took 215-218 ms a step against
 the grid's 206 (+4-6%, every shape, the weights' gradients too), its attention 8.1 ms against 7.2, its all-reduce
-44-67 ms (median 52) against 51; ZeRO-3's collectives 110-135 ms against 110. Do not read a kernel's rate from
+44-67 ms (median 52) against 51; ZeRO-3's collectives 110-135 ms against 110. Operands cold in the caches
+(eight sets rotated, the wide runs' shapes, both cores busy; 2026-12-05) ran from 2% faster to 8% slower than hot
+ones, shape by shape: part of that gap at most, so the grid stays measured on hot operands. Do not read a kernel's rate from
 torch.profiler here: under it the DDP run with 4 micro-batches faulted 71,609 pages a step (850 without: the ranks
 reuse freed memory, runtime.rank_process) and took 2.5 times as long, and the GEMMs with the largest outputs (the
 MLP's weight gradients, 1,280 × 640) ran at 51-85 GFLOP/s, as an isolated GEMM does into fresh pages (54 at 64
@@ -47,6 +49,11 @@ this 2-vCPU machine takes anywhere from 0.35 to 3 ms, most of them well under th
 all-reduces back to back took 0.35-3.1 ms each, medians over ten steps); and the rest of each tiny step was priced
 4.6-6.8 ms low (its ops run slower after each wait, above), so their totals land near 1. The 10× wider runs'
 collectives were priced at 0.65-1.07 of what they took (TP's all-reduces the least): the two effects above.
+Pricing a step's n small calls at the median of a sum of n calibration calls, instead of n × their mean, was tried
+on 2026-12-05 (six rounds, each 60 calls of a 2-element all-reduce after 2 ms of matmuls, then the tiny DDP run's 7
+all-reduces a step): it lowers the price by 8-14% (5.2-8.9 ms against 5.6-9.7), where the run's own median moved
+from 4.7 to 13.3 ms between rounds a minute apart (single steps 2.2 to 39 ms). The noise is the machine's, not the
+estimator's: n × the mean stays.
 """
 
 import time
