@@ -218,19 +218,20 @@ class StepTime:
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
-               "pipeline_sends", "elementwise_ops")
+               "pipeline_sends", "elementwise_ops", "rotary")
 PIPELINE_SENDS = ("blocking", "async")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
-              scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused"
-              ) -> StepTime:
+              scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused",
+              rotary: str = "model.py") -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
     whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async"), whether the
-    memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS).
+    memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS) and, op by op, how its code writes
+    rotary (eager_traffic.ROTARY).
     The formulas: the module docstring's part 2."""
     if pipeline_sends not in PIPELINE_SENDS:
         raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
@@ -239,7 +240,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     m = job.num_microbatches
     stages = _stage_seconds(job, hw, compute_efficiency=compute_efficiency, tp_overlap=tp_overlap,
                             pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
-                            elementwise_ops=elementwise_ops)
+                            elementwise_ops=elementwise_ops, rotary=rotary)
     compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
         exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
@@ -305,14 +306,14 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
 
 
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,
-                   attention: str, scatter_gather: bool, elementwise_ops: str):
+                   attention: str, scatter_gather: bool, elementwise_ops: str, rotary: str):
     """One micro-batch on each pipeline stage: (compute, exposed tp, exposed pp seconds, its operations, its
     FLOPs) on one GPU of the stage; the slowest stage sets the pace (step_time's docstring)."""
     config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
     kernels = dict(micro_batch_size=b, seq_len=seq_len, elementwise_ops=elementwise_ops, bytes_per_element=e)
     layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
-                                 recompute=job.recompute, attention=attention, **kernels)
+                                 recompute=job.recompute, attention=attention, rotary=rotary, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute, config)

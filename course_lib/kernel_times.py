@@ -31,9 +31,9 @@ torch.compile; "eager, fused norm" where its norm is one kernel), these rows, th
 ops model.py dispatches, each reading its inputs and writing its output, as course_lib.eager_traffic counts them
 (the tiny model's layer, 8 × 64 tokens in fp32: 92 ops moving 17.8 MB forward + backward, where the four rows above
 move 5.8 MB; Llama 3 8B's, one sequence of 8,192 tokens in bf16, 18.7 GB against 3.7). With sequence parallelism a
-GPU run's norms are taken as fused kernels on its T/t rows and its residual adds' bytes cut to 1/t. The course's
-rotary rotates q and k in seven real ops (four multiplies, a subtract, an add, a cat) where torchtitan's multiplies
-them as complex numbers in one: the count runs a little more than torchtitan does (tests/test_published.py).
+GPU run's norms are taken as fused kernels on its T/t rows and its residual adds' bytes cut to 1/t. Its rotary is
+counted as the run's code writes it (rotary: "complex", torchtitan's; "rotate_half", Hugging Face's; model.py's
+by default, about 2.5 times their bytes: eager_traffic.ROTARY).
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
@@ -71,7 +71,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .eager_traffic import all_but_norms, head_traffic, layer_traffic
+from .eager_traffic import ROTARY, all_but_norms, head_traffic, layer_traffic, with_rotary
 from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
@@ -264,14 +264,16 @@ def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int
             elementwise("softmax", gpu, scores * 2 * e * (2 if causal else 1), scores * 3 * e, 1.0, False)]
 
 
-def _eager_ops(gpu: GPU, elementwise_ops: str) -> bool:
+def _eager_ops(gpu: GPU, elementwise_ops: str, rotary: str = "model.py") -> bool:
     """Whether the memory-bound ops run op by op: on a machine that runs the course's model (this CPU), or as a
-    run's code dispatches them (ELEMENTWISE_OPS)."""
+    run's code dispatches them (ELEMENTWISE_OPS; ``rotary``, eager_traffic.ROTARY: how its code writes rotary)."""
     if elementwise_ops not in ELEMENTWISE_OPS:
         raise ValueError(f"elementwise_ops={elementwise_ops!r}: one of {', '.join(map(repr, ELEMENTWISE_OPS))}")
-    if gpu.eager_elementwise and elementwise_ops == "eager, fused norm":
-        raise ValueError(f"elementwise_ops='eager, fused norm' on {gpu.name}: it runs the course's model, whose "
-                         "norms are no fused kernel")
+    if rotary not in ROTARY:
+        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
+    if gpu.eager_elementwise and (elementwise_ops == "eager, fused norm" or rotary != "model.py"):
+        raise ValueError(f"elementwise_ops={elementwise_ops!r}, rotary={rotary!r} on {gpu.name}: it runs the "
+                         "course's model, whose norms are no fused kernel and whose rotary is model.py's")
     return gpu.eager_elementwise or elementwise_ops != "fused"
 
 
@@ -303,13 +305,14 @@ def attention_square(config, micro_batch_size: int, seq_len: int, tp: int = 1) -
 
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
-                     causal: bool = True, elementwise_ops: str = "fused", bytes_per_element: int = 2
-                     ) -> list[Operation]:
+                     causal: bool = True, elementwise_ops: str = "fused", rotary: str = "model.py",
+                     bytes_per_element: int = 2) -> list[Operation]:
     """One transformer layer's operations, forward + backward (+ what ``recompute`` runs again), on one of
-    ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS)."""
+    ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS; ``rotary``,
+    eager_traffic.ROTARY: the rotary an eager run's code writes)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
-    eager_ops = _eager_ops(gpu, elementwise_ops)
+    eager_ops = _eager_ops(gpu, elementwise_ops, rotary)
     b, s, e, t = micro_batch_size, seq_len, bytes_per_element, tp
     T, d, h_d = b * s, config.hidden, config.head_dim
     widths = weight_widths(config, t)
@@ -353,6 +356,9 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
             raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
                              "eager_traffic counts a TP rank's layer on every row")
         counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
+        if rotary != "model.py":
+            counted = with_rotary(counted, config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e,
+                                  rotary=rotary)
         split = t if sequence_parallel else 1          # SP: the norms fused, they and the adds on T/t rows
         if elementwise_ops == "eager, fused norm" or split > 1:
             counted = all_but_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2,

@@ -1,16 +1,26 @@
 """course_lib.eager_traffic: the count on the meta device is the count of the model run for real on this CPU, a TP
 rank's layer keeps its norms whole, and a machine that runs the model eagerly is costed with it, as is a GPU run
-whose code dispatches its memory-bound ops one by one (kernel_times' elementwise_ops)."""
+whose code dispatches its memory-bound ops one by one (kernel_times' elementwise_ops), its rotary as its code
+writes it (eager_traffic.ROTARY)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from course_lib.eager_traffic import all_but_norms, head_traffic, layer_traffic
+from course_lib.eager_traffic import (
+    ROTARY,
+    _complex_rotary,
+    _rotary_counted,
+    _rotate_half_rotary,
+    all_but_norms,
+    head_traffic,
+    layer_traffic,
+    with_rotary,
+)
 from course_lib.hardware import GPUS
 from course_lib.kernel_times import head_operations, layer_operations
-from course_lib.model import preset, widened
+from course_lib.model import apply_rope, preset, widened
 
 TINY = preset("tiny")
 SHAPE = dict(micro_batch_size=2, seq_len=16)
@@ -123,8 +133,62 @@ def test_what_it_cannot_count_is_refused():
     eager_gpu = replace(GPUS["A100 80GB"], eager_elementwise=True)
     with pytest.raises(ValueError, match="sequence_parallel=True"):
         layer_operations(TINY, eager_gpu, tp=2, sequence_parallel=True, **SHAPE)
-    with pytest.raises(ValueError, match="elementwise_ops='eager, fused norm' on .*: it runs the course's model"):
+    with pytest.raises(ValueError, match="elementwise_ops='eager, fused norm', rotary='model.py' on .*: it runs the "
+                                         "course's model"):
         layer_operations(TINY, eager_gpu, elementwise_ops="eager, fused norm", **SHAPE)
+    with pytest.raises(ValueError, match="rotary='complex' on .*: it runs the course's model"):
+        layer_operations(TINY, eager_gpu, rotary="complex", **SHAPE)
+    with pytest.raises(ValueError, match="rotary='yarn': one of 'model.py', 'complex', 'rotate_half'"):
+        layer_operations(TINY, GPUS["A100 80GB"], elementwise_ops="eager", rotary="yarn", **SHAPE)
+    with pytest.raises(ValueError, match="rotary='yarn'"):
+        with_rotary(layer_traffic(TINY, **SHAPE), TINY, tp=1, bytes_per_element=4, rotary="yarn", **SHAPE)
+
+
+def test_each_frameworks_rotary_is_the_same_rotation():
+    """The rotaries with_rotary counts compute what model.py's does: Hugging Face's on the same channel pairs (i,
+    i + h_d/2), torchtitan's on adjacent pairs (2i, 2i + 1), the same rotation once the channels are reordered."""
+    batch, seq, heads, head_dim, theta = 2, 12, 3, 8, 10000.0
+    x = torch.randn(batch, seq, heads, head_dim, generator=torch.Generator().manual_seed(0))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32),
+                         theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ours = apply_rope(x, theta)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[:, None, :] for f in (torch.cos, torch.sin))
+    torch.testing.assert_close(_rotate_half_rotary(x, cos, sin), ours)
+    adjacent = torch.stack(x.chunk(2, dim=-1), dim=-1).flatten(3)        # (i, i + h_d/2) -> (2i, 2i + 1)
+    rotated = _complex_rotary(adjacent, torch.polar(torch.ones_like(angles), angles))
+    torch.testing.assert_close(torch.cat([rotated[..., 0::2], rotated[..., 1::2]], dim=-1), ours)
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+def test_a_rotary_counted_on_meta_is_counted_as_the_cpu_runs_it(rotary):
+    fields = tuple(sorted(vars(TINY).items()))
+    assert _rotary_counted(rotary, fields, 2, 16, 1, 4) == _rotary_counted(rotary, fields, 2, 16, 1, 4, "cpu")
+
+
+def test_torchtitans_and_hugging_faces_rotary_move_about_half_of_model_pys():
+    """Llama 3 8B's layer, one sequence of 8,192 tokens in bf16 (eager_traffic's docstring: "about 2.5 times"): the
+    course's rotary computes its angles at every call and rotates in fp32; torchtitan's multiplies complex numbers
+    in fp32 by angles computed once, Hugging Face's rotates in bf16. The layer's other ops are left as they are."""
+    llama3_8b = preset("tiny", vocab_size=128256, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       intermediate=14336, max_seq_len=8192, rope_theta=500000.0)
+    shape = dict(micro_batch_size=1, seq_len=8192, tp=1, bytes_per_element=2)
+    fields = tuple(sorted(vars(llama3_8b).items()))
+    rotary = {name: _rotary_counted(name, fields, 1, 8192, 1, 2) for name in ROTARY}
+    moved = {name: sum(way.bytes for way in counted.values()) for name, counted in rotary.items()}
+    assert 2.2 < moved["model.py"] / moved["complex"] < 2.8 and 2.2 < moved["model.py"] / moved["rotate_half"] < 2.8
+    counted = layer_traffic(llama3_8b, micro_batch_size=1, seq_len=8192, bytes_per_element=2)
+    swapped = with_rotary(counted, llama3_8b, rotary="complex", **shape)
+    for way in ("forward", "backward"):
+        assert counted[way].bytes - swapped[way].bytes == rotary["model.py"][way].bytes - rotary["complex"][way].bytes
+        assert swapped[way].kernels < counted[way].kernels
+    h100, kernels = GPUS["H100 SXM"], dict(micro_batch_size=1, seq_len=8192, bytes_per_element=2)
+
+    def eager_seconds(**choice):
+        return sum(op.seconds for op in layer_operations(llama3_8b, h100, elementwise_ops="eager", **choice, **kernels)
+                   if op.name.startswith("elementwise"))
+    assert eager_seconds(rotary="complex") < eager_seconds()
+    fused = [layer_operations(llama3_8b, h100, rotary=name, **kernels) for name in ROTARY]
+    assert fused[0] == fused[1] == fused[2]                      # fused kernels: how the code writes it is moot
 
 
 def test_counting_leaves_no_state_behind_and_shares_none():

@@ -219,7 +219,8 @@ LLAMA3_8B_MEGATRON = """--num-layers 32 --hidden-size 4096 --ffn-hidden-size 143
 
 def test_one_layout_three_dialects(tmp_path):
     """Llama-3-8B on 8 GPUs, sharded, each block recomputed: torchtitan's FSDP2 and DeepSpeed's ZeRO-3 agree to
-    the byte, and to the second but for the norms (torchtitan's nn.RMSNorm one kernel, Hugging Face's op by op);
+    the byte, and to the second but for the norms and rotary (torchtitan's nn.RMSNorm one kernel and its complex
+    rotary, Hugging Face's norm op by op and its rotate_half);
     Megatron-LM runs it with its distributed optimizer (ZeRO-1) and fp32 gradients, and its report says which
     convention makes its state larger."""
     files = {"titan.toml": LLAMA3_8B_TOML, "ds.json": LLAMA3_8B_DEEPSPEED, "megatron.sh": LLAMA3_8B_MEGATRON}
@@ -233,7 +234,7 @@ def test_one_layout_three_dialects(tmp_path):
         assert titan["memory"][part] == deepspeed["memory"][part], part
     assert titan["sent_bytes"] == deepspeed["sent_bytes"]
     eager_norms = step_time(read_config(tmp_path / "titan.toml", num_gpus=8).job, dp_overlap=FSDP_OVERLAP,
-                            elementwise_ops="eager").total_s
+                            elementwise_ops="eager", rotary="rotate_half").total_s
     assert titan["step"]["seconds"] < deepspeed["step"]["seconds"] == pytest.approx(eager_norms, rel=1e-12)
     assert megatron["memory"]["activations"] == titan["memory"]["activations"]   # the same model and batch
     assert megatron["zero_stage"] == 1 and megatron["convention"] == "bf16+fp32 grads"

@@ -25,6 +25,7 @@ class ReadConfig:
     spell: Callable[[Job], dict[str, str]] | None = None   # the framework's: job -> {key: value as in its file}
     dp_overlap: float = 0.5        # the share of data-parallel traffic the framework hides behind compute
     elementwise_ops: str = "fused"  # its memory-bound ops fused or one by one (kernel_times.ELEMENTWISE_OPS)
+    rotary: str = "model.py"       # how its code writes rotary, where it runs op by op (eager_traffic.ROTARY)
     grad_reduce_bytes: int | None = None   # bytes per gradient element the framework reduces in, where it differs
     recipes_convention: str | None = None  # the state convention the framework's other layouts run, where not this one's
 

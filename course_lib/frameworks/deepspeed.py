@@ -168,13 +168,14 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     eager = not config.num_experts         # eager_traffic cannot route tokens: a mixture of experts timed fused
     if eager:
         conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused "
-                           "kernels (Liger): its norms, rotary, SwiGLU products and residual adds op by op, timed as "
-                           "eager PyTorch runs the course's model")
+                           "kernels (Liger): its norms, SwiGLU products and residual adds op by op, timed as eager "
+                           "PyTorch runs the course's model, its rotary as Hugging Face writes it (rotate_half: "
+                           "eager_traffic.ROTARY)")
     else:
         not_modelled.append("a mixture of experts in eager PyTorch: its norms, rotary, SwiGLU products and residual "
                             "adds timed as fused kernels (the eager count cannot route tokens), a lower bound")
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
-                      dp_overlap=overlap, elementwise_ops="eager" if eager else "fused")
+                      dp_overlap=overlap, elementwise_ops="eager" if eager else "fused", rotary="rotate_half")
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:

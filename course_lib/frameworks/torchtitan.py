@@ -230,7 +230,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       grad_reduce_bytes=4 if fp32_reduce else None,
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
-                      elementwise_ops=elementwise_ops)
+                      elementwise_ops=elementwise_ops, rotary="complex")   # torchtitan's apply_rotary_emb
 
 
 def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
@@ -254,8 +254,9 @@ def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
     (_, eager, compiled), *_ = TORCHTITAN_H100_TPS
     why = ("no torch.compile (its default)" if not enable else f"torch.compile with backend {backend!r}"
            if backend != "inductor" else f"torch.compile of {components} only")
-    conventions.append(f"{why}: rotary, SwiGLU products and residual adds op by op, timed as eager PyTorch runs the "
-                       f"course's model, the norms ({norm or 'nn.RMSNorm, torch >= 2.9'}) "
+    conventions.append(f"{why}: SwiGLU products and residual adds op by op, timed as eager PyTorch runs the "
+                       "course's model, rotary as torchtitan writes it (a complex multiply: eager_traffic.ROTARY), "
+                       f"the norms ({norm or 'nn.RMSNorm, torch >= 2.9'}) "
                        + ("op by op too" if by_op else "timed as one kernel each on TP's sequence shards"
                           if norm == "rmsnorm" else "one kernel each")
                        + f" (torchtitan's own H100 benchmark ran {1 - eager / compiled:.0%} fewer tokens/s than "
