@@ -36,12 +36,12 @@ dispatch mode, each collective by course_lib.comm's trace), the DDP run: its GEM
 the grid's 206 (+4-6%, every shape, the weights' gradients too), its attention 8.1 ms against 7.2, its all-reduce
 44-67 ms (median 52) against 51; ZeRO-3's collectives 110-135 ms against 110. Operands cold in the caches
 (eight sets rotated, the wide runs' shapes, both cores busy; 2026-12-05) ran from 2% faster to 8% slower than hot
-ones, shape by shape: part of that gap at most, so the grid stays measured on hot operands. Do not read a kernel's rate from
-torch.profiler here: under it the DDP run with 4 micro-batches faulted 71,609 pages a step (850 without: the ranks
-reuse freed memory, runtime.rank_process) and took 2.5 times as long, and the GEMMs with the largest outputs (the
-MLP's weight gradients, 1,280 × 640) ran at 51-85 GFLOP/s, as an isolated GEMM does into fresh pages (54 at 64
-tokens, the 4-micro-batch run's shape, 89 at 256, one micro-batch's, against 98-113 into reused buffers). An
-earlier reading here took that for a placement effect of their buffers.
+ones, shape by shape: part of that gap at most, so the grid stays measured on hot operands.
+Do not read a kernel's rate from torch.profiler here: under it the DDP run with 4 micro-batches faulted 71,609 pages
+a step (850 without: the ranks reuse freed memory, runtime.rank_process) and took 2.5 times as long, and the GEMMs
+with the largest outputs (the MLP's weight gradients, 1,280 × 640) ran at 51-85 GFLOP/s, as an isolated GEMM does
+into fresh pages (54 at 64 tokens, the 4-micro-batch run's shape, 89 at 256, one micro-batch's, against 98-113 into
+reused buffers). An earlier reading here took that for a placement effect of their buffers.
 The time in collectives, printed under the table (predicted / measured), splits each miss in two. In two runs on
 2026-12-05 the tiny runs' collectives were priced at 1.20-2.80 times what they took: the model prices every call at
 the calibration's mean α (about 1.6 ms, each call timed after 2 ms of matmuls), where a small gloo collective on

@@ -47,10 +47,12 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     return per_layer * one - min(tp_overlap * backward, weight_gradients)
 
 
-def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[float, float, str]:
+def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_param_gather: bool = False
+               ) -> tuple[float, float, str]:
     """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
     of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (cost.py's
-    part 2): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute."""
+    part 2): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute, and,
+    ``overlap_param_gather``, ZeRO-1/2's gather of the updated weights behind the next step's first forward."""
     mesh, m, zero = job.mesh, job.num_microbatches, job.zero
     link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
     if mesh.dp * mesh.cp == 1:
@@ -77,7 +79,11 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float) -> tuple[fl
     if zero == 3 and not job.reshard_after_backward:
         window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
     hideable = gradient + weight if zero == 3 else gradient
-    return gradient + weight, gradient + weight - min(dp_overlap * hideable, window), link_name
+    hidden = min(dp_overlap * hideable, window)
+    if overlap_param_gather and zero in (1, 2):
+        # Megatron's --overlap-param-gather: bucket by bucket, each layer waiting only for its own weights
+        hidden += min(dp_overlap * weight, compute / 3)        # one micro-batch's forward: a third of its compute
+    return gradient + weight, gradient + weight - hidden, link_name
 
 
 def collective_latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
@@ -104,4 +110,3 @@ def calls_per_step(job: Job, op: str, group: dict) -> int:
     if op == "reduce_scatter" and zero >= 2:
         return m
     return 1
-

@@ -91,7 +91,10 @@ last stage also runs the final norm, the head and the loss):
              beside the backward of the layers before it, so the window is one micro-batch's backward (ZeRO 0,
              1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers; one
              micro-batch's without resharding after backward); the weights'
-             all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing.
+             all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing, unless
+             ``overlap_param_gather`` (Megatron-LM's --overlap-param-gather with its distributed optimizer:
+             the gather runs bucket by bucket into the next step, each layer's forward waiting for its own
+             weights): then it too hides, × dp_overlap, behind one micro-batch's forward (a third of its compute).
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
              (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
   total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
@@ -218,20 +221,21 @@ class StepTime:
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
-               "pipeline_sends", "elementwise_ops", "rotary")
+               "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather")
 PIPELINE_SENDS = ("blocking", "async")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
               scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused",
-              rotary: str = "model.py") -> StepTime:
+              rotary: str = "model.py", overlap_param_gather: bool = False) -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
     whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async"), whether the
     memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS) and, op by op, how its code writes
-    rotary (eager_traffic.ROTARY).
+    rotary (eager_traffic.ROTARY), whether ZeRO-1/2's weights are gathered beside the next forward (Megatron's
+    --overlap-param-gather).
     The formulas: the module docstring's part 2."""
     if pipeline_sends not in PIPELINE_SENDS:
         raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
@@ -251,7 +255,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
     # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
     held = job.replace(num_chunks=1, schedule="1f1b")
-    dp_comm, dp, dp_link = dp_seconds(held, hw, compute, dp_overlap)
+    dp_comm, dp, dp_link = dp_seconds(held, hw, compute, dp_overlap, overlap_param_gather)
     optimizer = max(optimizer_operation(hw, _updated_params(held, stage), job.grad_bytes).seconds
                     for stage in range(job.mesh.pp))
     overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,

@@ -30,17 +30,19 @@ ops of this count. A mixture of experts is not counted: its routing depends on t
 does not have. Not counted either: the attention core's grouped-query copies again where selective recomputation
 reruns the core alone, and the gradient's accumulation from the second micro-batch on (an add per parameter).
 
-Frameworks write rotary differently, and run eager it costs them differently (with_rotary counts each, on q and k
-of the rank's heads, and swaps it for model.py's; ROTARY):
+Frameworks write rotary differently, and run eager it costs them differently (layer_traffic's ``rotary``: each
+counted on q and k of the rank's heads, in place of model.py's; ROTARY):
 
     "model.py"     the course's apply_rope: the angles from the positions at every call (eight small ops), both
                    halves rotated in fp32 (four multiplies, a subtract, an add, a cat), cast back
     "complex"      torchtitan's (apply_rotary_emb; ComplexRoPE): the angles precomputed once as complex numbers
                    (freqs_cis), q and k cast to fp32, multiplied as complex numbers, cast back
     "rotate_half"  Hugging Face's Llama (apply_rotary_pos_emb): cos and sin computed once a forward, in the
-                   activation's dtype, then x·cos + rotate_half(x)·sin
+                   activation's dtype, then x·cos + rotate_half(x)·sin, its halves sliced (backward pads each
+                   slice's gradient back to the whole width, and adds the three paths into x)
 
-For Llama 3 8B's layer (one sequence of 8,192 tokens, bf16) the course's moves about 2.5 times the bytes of either.
+For Llama 3 8B's layer (one sequence of 8,192 tokens, bf16) the course's moves about 2.5 times the bytes of
+torchtitan's and 2.1 times Hugging Face's.
 """
 
 from __future__ import annotations
@@ -152,14 +154,14 @@ def _complex_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate_half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotary (module docstring): channel pairs (i, i + h_d/2), in x's dtype."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+    """Hugging Face's rotary (module docstring): channel pairs (i, i + h_d/2), in x's dtype, its halves sliced."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 @lru_cache(maxsize=256)
 def _rotary_counted(rotary: str, fields: tuple, micro_batch_size: int, seq_len: int, tp: int,
-                    bytes_per_element: int, device: str = "meta") -> dict:
+                    bytes_per_element: int, device: str = "meta") -> MappingProxyType:
     """``rotary`` (ROTARY) on q and k of one of ``tp`` TP ranks, each [b, s, heads, h_d], forward and backward,
     its angles computed outside the count where the framework computes them once (module docstring)."""
     config, dtype = ModelConfig(**dict(fields)), DTYPES[bytes_per_element]
@@ -175,19 +177,8 @@ def _rotary_counted(rotary: str, fields: tuple, micro_batch_size: int, seq_len: 
         for heads in (config.num_heads // tp, config.num_kv_heads // tp):
             x = torch.randn(micro_batch_size, seq_len, heads, config.head_dim, dtype=dtype, requires_grad=True)
             counts.append(_forward_backward(lambda: rotate(x), device))
-    return {way: Traffic(sum(c[way].kernels for c in counts), sum(c[way].bytes for c in counts))
-            for way in ("forward", "backward")}
-
-
-def with_rotary(counted: Mapping, config: ModelConfig, *, micro_batch_size: int, seq_len: int, tp: int,
-                bytes_per_element: int, rotary: str) -> dict:
-    """``counted`` (layer_traffic's) with its rotary, model.py's, swapped for ``rotary``'s (ROTARY)."""
-    if rotary not in ROTARY:
-        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
-    fields, shape = _fields(config, bytes_per_element), (micro_batch_size, seq_len, tp, bytes_per_element)
-    ours, theirs = _rotary_counted("model.py", fields, *shape), _rotary_counted(rotary, fields, *shape)
-    return {way: Traffic(counted[way].kernels - ours[way].kernels + theirs[way].kernels,
-                         counted[way].bytes - ours[way].bytes + theirs[way].bytes) for way in ("forward", "backward")}
+    return MappingProxyType({way: Traffic(sum(c[way].kernels for c in counts), sum(c[way].bytes for c in counts))
+                             for way in ("forward", "backward")})
 
 
 def _tp_rank_block(config: ModelConfig, tp: int, dtype) -> Block:
@@ -212,12 +203,21 @@ def _fields(config: ModelConfig, bytes_per_element: int) -> tuple:
 
 
 def layer_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, tp: int = 1,
-                  bytes_per_element: int = 4, device: str = "meta") -> MappingProxyType:
+                  bytes_per_element: int = 4, rotary: str = "model.py", device: str = "meta") -> MappingProxyType:
     """One layer's memory-bound ops on one of ``tp`` ranks, as model.py dispatches them: {"forward",
-    "backward"} -> Traffic (module docstring). ``device="cpu"`` runs it for real (the same count, slower)."""
+    "backward"} -> Traffic (module docstring), its rotary written as ``rotary`` says (ROTARY: model.py's count
+    less its rotary's, plus the other's). ``device="cpu"`` runs it for real (the same count, slower)."""
+    if rotary not in ROTARY:
+        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
     check_tp_divisible(config, tp)
-    return _counted("layer", _fields(config, bytes_per_element), micro_batch_size, seq_len, tp, bytes_per_element,
-                    device)
+    fields, shape = _fields(config, bytes_per_element), (micro_batch_size, seq_len, tp, bytes_per_element, device)
+    counted = _counted("layer", fields, *shape)
+    if rotary == "model.py":
+        return counted
+    ours, theirs = _rotary_counted("model.py", fields, *shape), _rotary_counted(rotary, fields, *shape)
+    return MappingProxyType({way: Traffic(counted[way].kernels - ours[way].kernels + theirs[way].kernels,
+                                          counted[way].bytes - ours[way].bytes + theirs[way].bytes)
+                             for way in ("forward", "backward")})
 
 
 def head_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, vocab_split: int = 1,

@@ -108,7 +108,7 @@ def job_report(read: ReadConfig, alternatives: bool = True) -> dict:
                   virtual_state=run["state_bytes"]["total"] if "state_bytes" in run["measured"] else None,
                   formulas={"state": formulas["state_bytes"]["total"], "activations": formulas["activation_bytes_peak"]},
                   framework_state=framework_state(read, stage))
-    time = step_time(job, dp_overlap=read.dp_overlap, elementwise_ops=read.elementwise_ops, rotary=read.rotary)
+    time = step_time(job, **read.assumptions)
     name = regime_of(job.gpu, job.config.hidden, job.tokens_per_sequence, job.recompute)
     return {
         "framework": read.framework, "path": read.path, "model": read.model_name, "gpu": job.gpu,
@@ -234,8 +234,7 @@ def better_layouts(read: ReadConfig, tokens_per_s: float, fits: bool) -> list[di
         layouts = compare_recipes(job.config, num_gpus=job.mesh.size, gpu_bytes=find_gpu(job.gpu).memory_bytes,
                                   workload=workload, gpu=job.gpu, gpus_per_node=job.gpus_per_node,
                                   convention=read.recipes_convention or job.state_convention,
-                                  dp_overlap=read.dp_overlap, elementwise_ops=read.elementwise_ops,
-                                  rotary=read.rotary)
+                                  **read.assumptions)
         for layout in layouts:
             # torchtitan's pipelining keeps FSDP's weights gathered through the step: a resharding one is not its run
             runnable = not (read.framework == "torchtitan" and layout.mesh.pp > 1 and layout.job.reshard_after_backward)

@@ -33,7 +33,7 @@ ops model.py dispatches, each reading its inputs and writing its output, as cour
 move 5.8 MB; Llama 3 8B's, one sequence of 8,192 tokens in bf16, 18.7 GB against 3.7). With sequence parallelism a
 GPU run's norms are taken as fused kernels on its T/t rows and its residual adds' bytes cut to 1/t. Its rotary is
 counted as the run's code writes it (rotary: "complex", torchtitan's; "rotate_half", Hugging Face's; model.py's
-by default, about 2.5 times their bytes: eager_traffic.ROTARY).
+by default, 2-2.5 times their bytes: eager_traffic.ROTARY).
 
 The attention core, for b sequences of s tokens and n_h/t heads per GPU:
 
@@ -71,7 +71,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .eager_traffic import ROTARY, all_but_norms, head_traffic, layer_traffic, with_rotary
+from .eager_traffic import ROTARY, all_but_norms, head_traffic, layer_traffic
 from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
@@ -355,17 +355,15 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         if sequence_parallel and gpu.eager_elementwise:
             raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
                              "eager_traffic counts a TP rank's layer on every row")
-        counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e)
-        if rotary != "model.py":
-            counted = with_rotary(counted, config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e,
-                                  rotary=rotary)
+        counted = layer_traffic(config, micro_batch_size=b, seq_len=s, tp=t, bytes_per_element=e, rotary=rotary)
+        written = "" if rotary == "model.py" else f", rotary {rotary!r}"      # eager_traffic.ROTARY
         split = t if sequence_parallel else 1          # SP: the norms fused, they and the adds on T/t rows
         if elementwise_ops == "eager, fused norm" or split > 1:
             counted = all_but_norms(counted, config, micro_batch_size=b, seq_len=s, bytes_per_element=e, norms=2,
                                     sequence_split=split)
-            return ops + [norms, eager("elementwise ops but the norms, as model.py runs them", gpu, counted, e,
-                                       block_rerun)]
-        return ops + [eager("elementwise ops, as model.py runs them", gpu, counted, e, block_rerun)]
+            return ops + [norms, eager("elementwise ops but the norms, as model.py runs them" + written, gpu,
+                                       counted, e, block_rerun)]
+        return ops + [eager("elementwise ops, as model.py runs them" + written, gpu, counted, e, block_rerun)]
     ops.append(norms)
     ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e),
                            block_rerun))

@@ -260,11 +260,11 @@ def resharding_choices(mesh: Mesh, zero_stage: int) -> list[dict[str, bool]]:
 
 def cost_layout(recipe: str, config, mesh: Mesh, zero_stage: int, workload: Workload, *, gpu_bytes: int,
                 num_chunks: int = 1, gpu="A100 80GB", gpus_per_node: int = 8, convention: str = "mixed",
-                reserve_share: float = RESERVE_SHARE, dp_overlap: float | None = None,
-                elementwise_ops: str = "fused", rotary: str = "model.py") -> Layout:
+                reserve_share: float = RESERVE_SHARE, dp_overlap: float | None = None, **assumptions) -> Layout:
     """One layout, its busiest GPU's memory (memory_per_gpu) and its step time (cost.step_time, ``dp_overlap`` of
-    the DP traffic hidden; None: framework_overlap's; its memory-bound ops as ``elementwise_ops`` and ``rotary``
-    say), with the first of resharding_choices that fits (the last if none does)."""
+    the DP traffic hidden; None: framework_overlap's; ``assumptions``, step_time's others, as a framework's file
+    sets them: elementwise_ops, rotary, overlap_param_gather), with the first of resharding_choices that fits (the
+    last if none does)."""
     dp_overlap = framework_overlap(zero_stage) if dp_overlap is None else dp_overlap
     for options in resharding_choices(mesh, zero_stage):
         memory = memory_per_gpu(config, mesh, zero_stage, workload, gpu_bytes=gpu_bytes, convention=convention,
@@ -272,8 +272,7 @@ def cost_layout(recipe: str, config, mesh: Mesh, zero_stage: int, workload: Work
         job = workload.job(config, mesh, zero_stage, convention=convention, num_chunks=num_chunks, gpu=gpu,
                            gpus_per_node=gpus_per_node, **options)
         layout = Layout(recipe, mesh, zero_stage, job.num_microbatches, memory, gpu_bytes,
-                        step_time(job, dp_overlap=dp_overlap, elementwise_ops=elementwise_ops, rotary=rotary),
-                        num_chunks, job)
+                        step_time(job, dp_overlap=dp_overlap, **assumptions), num_chunks, job)
         if layout.fits:
             break
     return layout
@@ -299,14 +298,12 @@ def chunk_choices(config, mesh: Mesh, num_microbatches: int) -> tuple[int, ...]:
 
 def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload, gpu="A100 80GB",
                     gpus_per_node: int = 8, convention: str = "mixed", reserve_share: float = RESERVE_SHARE,
-                    dp_overlap: float | None = None, elementwise_ops: str = "fused", rotary: str = "model.py"
-                    ) -> list[Layout]:
+                    dp_overlap: float | None = None, **assumptions) -> list[Layout]:
     """Question 5: the best layout of each recipe, fastest first: the fastest that fits, or, where none fits,
     the one that needs the least memory. Step time is cost.step_time on ``gpu``'s speed and links, with
     ``dp_overlap`` of the data-parallel traffic hidden behind compute (None: as each layout's framework schedules
     it, framework_overlap; how much depends on the network too: an assumption, stated) and its memory-bound ops
-    fused, or as ``elementwise_ops`` and ``rotary`` say (kernel_times.ELEMENTWISE_OPS, eager_traffic.ROTARY: a job
-    read from a framework's file)."""
+    fused, or as ``assumptions`` say (step_time's others, as a framework's file sets them: cost_layout)."""
     node = min(gpus_per_node, num_gpus)
     best: dict[str, Layout] = {}
     for recipe, mesh, stages in candidate_layouts(config, num_gpus, node):
@@ -317,8 +314,7 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
             for stage in stages:
                 layout = cost_layout(recipe, config, mesh, stage, workload, gpu_bytes=gpu_bytes, num_chunks=num_chunks,
                                      gpu=gpu, gpus_per_node=gpus_per_node, convention=convention,
-                                     reserve_share=reserve_share, dp_overlap=dp_overlap,
-                                     elementwise_ops=elementwise_ops, rotary=rotary)
+                                     reserve_share=reserve_share, dp_overlap=dp_overlap, **assumptions)
                 if layout.fits:
                     break                    # the lowest ZeRO stage that fits: least traffic
             old = best.get(recipe)

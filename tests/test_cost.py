@@ -235,6 +235,26 @@ def test_more_micro_batches_shrink_the_bubble_and_overlap_hides_dp():
     assert interleaved.pp_s == pytest.approx(4 * few.pp_s)                         # v times the sends
 
 
+def test_megatrons_overlapped_param_gather_hides_behind_one_forward():
+    """overlap_param_gather (Megatron-LM's --overlap-param-gather): ZeRO-1's gather of the updated weights runs into
+    the next step, × dp_overlap, hidden up to one micro-batch's forward (a third of its compute); ZeRO-0 has no
+    such gather and ZeRO-3 gathers before every forward anyway: the flag changes neither."""
+    config, mesh = preset("llama2-70b"), Mesh(dp=4, tp=8, pp=4)
+    kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=4)
+    for dp_overlap in (1.0, 0.25):
+        exposed, overlapped = (costed(config, mesh, overlap_param_gather=flag, dp_overlap=dp_overlap, **kw)
+                               for flag in (False, True))
+        gather, forward = exposed.dp_comm_s / 2, exposed.compute_s / 4 / 3     # ZeRO-1: as many bytes as the RS
+        assert gather > forward and (dp_overlap == 1 or dp_overlap * gather < forward)   # at 1 the window binds,
+        # at 0.25 the share does
+        assert overlapped.dp_s == pytest.approx(exposed.dp_s - min(dp_overlap * gather, forward), rel=1e-3)
+        assert overlapped.dp_comm_s == exposed.dp_comm_s
+    kw["dp_overlap"] = 1.0
+    for stage in (0, 3):
+        assert costed(config, mesh, zero_stage=stage, overlap_param_gather=True, **kw) == costed(
+            config, mesh, zero_stage=stage, **kw)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_dp_traffic_is_zero_wire_bytes_per_step(stage):
     """The cost side counts what the memory side runs (zero.py): ZeRO-2 keeps only its shard of the gradients,

@@ -82,7 +82,7 @@ def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_anot
     checked on torchtitan's, held out: 6 of 6 within 5 with none hidden, as with half (2 of 6 with half while
     torchtitan's eager ops were priced as fused kernels); with all hidden, 2 of 6 (3 before their rotary was
     counted as torchtitan writes it). Its H100 rows, on the card they ran on, land nearer with none hidden (at
-    most 1.6 points off when written) than with all."""
+    most 1.5 points off when written) than with all."""
     def within_5(runs, overlap):
         return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap)
                                                                          for r in runs]))
@@ -102,7 +102,7 @@ def test_torchtitan_on_h100_eager_and_compiled_on_the_card_it_ran_on():
     (every memory-bound op op by op, elementwise_ops='eager') and with torch.compile (fused). On the catalogue's
     H100 SXM the model is 7.0-9.4 points high: the source's cards are 500 W HBM2e parts whose peak it places
     between the NVL's and the SXM's, without knowing it. On such a card at the low end, the NVL's peak, and 2.4
-    TB/s (ran_on), every row lands within 5 points (1.6 when written), and the row says so. Eager costs the model
+    TB/s (ran_on), every row lands within 5 points (1.5 when written), and the row says so. Eager costs the model
     a little more than it cost torchtitan (0.85 of the compiled MFU against 0.86 when written), never less; with
     the course's own rotary in place of torchtitan's complex multiply, more still (0.82)."""
     runs = torchtitan_h100_runs()

@@ -26,8 +26,15 @@ class ReadConfig:
     dp_overlap: float = 0.5        # the share of data-parallel traffic the framework hides behind compute
     elementwise_ops: str = "fused"  # its memory-bound ops fused or one by one (kernel_times.ELEMENTWISE_OPS)
     rotary: str = "model.py"       # how its code writes rotary, where it runs op by op (eager_traffic.ROTARY)
+    overlap_param_gather: bool = False   # ZeRO-1's weights gathered beside the next forward (Megatron's flag)
     grad_reduce_bytes: int | None = None   # bytes per gradient element the framework reduces in, where it differs
     recipes_convention: str | None = None  # the state convention the framework's other layouts run, where not this one's
+
+    @property
+    def assumptions(self) -> dict:
+        """cost.step_time's assumptions as this framework runs the job (its overlap, its kernels)."""
+        return dict(dp_overlap=self.dp_overlap, elementwise_ops=self.elementwise_ops, rotary=self.rotary,
+                    overlap_param_gather=self.overlap_param_gather)
 
     def changes(self, other: Job) -> list[str]:
         """The lines of this framework's file that turn this job into ``other`` (a layout the planner found): each

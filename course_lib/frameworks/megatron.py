@@ -173,6 +173,14 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     precision = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
     convention = {"bf16": "bf16+fp32 grads", "fp16": "fp32 grad accumulation", "fp32": "fp32"}[precision]
     zero_stage = 1 if args.get("use-distributed-optimizer") else 0
+    overlap_param_gather = bool(args.get("overlap-param-gather"))
+    if overlap_param_gather and not (zero_stage == 1 and args.get("overlap-grad-reduce")):
+        raise ConfigError(f"{where}: --overlap-param-gather needs --use-distributed-optimizer and "
+                          "--overlap-grad-reduce (Megatron-LM's arguments.py asserts both)")
+    if overlap_param_gather:
+        conventions.append("--overlap-param-gather: the updated weights' all-gather runs bucket by bucket into the "
+                           "next step, each layer's forward waiting for its own weights; timed as hidden as the "
+                           "gradients' reduce is (dp_overlap), up to one micro-batch's forward")
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
@@ -190,7 +198,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     virtual_stages = "num-virtual-stages-per-pipeline-rank" in args
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
                       functools.partial(spell, virtual_stages=virtual_stages),
-                      dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0)
+                      dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0,
+                      overlap_param_gather=overlap_param_gather)
 
 
 def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:
