@@ -14,7 +14,9 @@ their sources, are cost.py's part 2 (tp_s and dp_s).
                 weight-gradient GEMMs' time
     dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
                 embedding, the head) paying each call's latency, as many calls as the ZeRO stage makes; then
-                min(dp_overlap × what can hide, the window it can hide behind)
+                min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
+                behind backward, ZeRO-3's gathers behind compute, ZeRO-1's gather of the updated weights behind
+                the next step's first forward where the framework overlaps it (overlap_param_gather, pp = 1)
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
     """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
     of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (cost.py's
     part 2): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute, and,
-    ``overlap_param_gather``, ZeRO-1/2's gather of the updated weights behind the next step's first forward."""
+    ``overlap_param_gather``, ZeRO-1's gather of the updated weights behind the next step's first forward."""
     mesh, m, zero = job.mesh, job.num_microbatches, job.zero
     link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
     if mesh.dp * mesh.cp == 1:
@@ -80,9 +82,11 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
         window = compute               # gathered in the first micro-batch's forward, reduced in the last's backward
     hideable = gradient + weight if zero == 3 else gradient
     hidden = min(dp_overlap * hideable, window)
-    if overlap_param_gather and zero in (1, 2):
-        # Megatron's --overlap-param-gather: bucket by bucket, each layer waiting only for its own weights
-        hidden += min(dp_overlap * weight, compute / 3)        # one micro-batch's forward: a third of its compute
+    if overlap_param_gather and zero == 1 and mesh.pp == 1:
+        # Megatron's --overlap-param-gather: one bucket gathered at a time, each module's forward waiting for its
+        # own, through the first micro-batch's forward (a third of its compute). With a pipeline Megatron buckets
+        # the first stage's gather alone; the others gather whole at their first forward: not hidden.
+        hidden += min(dp_overlap * weight, compute / 3)
     return gradient + weight, gradient + weight - hidden, link_name
 
 

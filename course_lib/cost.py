@@ -92,9 +92,10 @@ last stage also runs the final norm, the head and the loss):
              1), m of them (ZeRO 2), every micro-batch's compute (ZeRO 3, prefetched gathers; one
              micro-batch's without resharding after backward); the weights'
              all-gather of ZeRO 1 and 2 follows the optimizer and hides behind nothing, unless
-             ``overlap_param_gather`` (Megatron-LM's --overlap-param-gather with its distributed optimizer:
-             the gather runs bucket by bucket into the next step, each layer's forward waiting for its own
-             weights): then it too hides, × dp_overlap, behind one micro-batch's forward (a third of its compute).
+             ``overlap_param_gather`` (Megatron-LM's --overlap-param-gather with its distributed optimizer,
+             ZeRO 1, no pipeline: the gather runs into the next step one bucket at a time, each module's forward
+             waiting for its own): then it too hides, × dp_overlap, behind the first micro-batch's forward (a
+             third of its compute). With a pipeline Megatron buckets the first stage's gather alone: no change.
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
              (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
   total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
@@ -234,7 +235,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
     whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async"), whether the
     memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS) and, op by op, how its code writes
-    rotary (eager_traffic.ROTARY), whether ZeRO-1/2's weights are gathered beside the next forward (Megatron's
+    rotary (eager_traffic.ROTARY), whether ZeRO-1's weights are gathered beside the next forward (Megatron's
     --overlap-param-gather).
     The formulas: the module docstring's part 2."""
     if pipeline_sends not in PIPELINE_SENDS:

@@ -148,8 +148,9 @@ def test_what_it_cannot_count_is_refused():
 
 
 def test_each_frameworks_rotary_is_the_same_rotation():
-    """The rotaries with_rotary counts compute what model.py's does: Hugging Face's on the same channel pairs (i,
-    i + h_d/2), torchtitan's on adjacent pairs (2i, 2i + 1), the same rotation once the channels are reordered."""
+    """The rotaries layer_traffic(rotary=...) counts compute what model.py's does: Hugging Face's on the same
+    channel pairs (i, i + h_d/2), torchtitan's on adjacent pairs (2i, 2i + 1), the same rotation once the channels
+    are reordered."""
     batch, seq, heads, head_dim, theta = 2, 12, 3, 8, 10000.0
     x = torch.randn(batch, seq, heads, head_dim, generator=torch.Generator().manual_seed(0))
     angles = torch.outer(torch.arange(seq, dtype=torch.float32),

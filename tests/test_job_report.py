@@ -371,20 +371,37 @@ def test_command_line_report_and_json(capsys):
     assert report["gpu"] == "H100 SXM" and report["seq_len"] == 2048 and report["memory"]["fits"]
 
 
+SMALL_MEGATRON = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+                  "--max-position-embeddings 512 --tensor-model-parallel-size 2 --use-distributed-optimizer "
+                  "--overlap-grad-reduce --overlap-param-gather --micro-batch-size 1 --global-batch-size 16 --bf16")
+
+
 def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
     """--overlap-param-gather: the distributed optimizer's weight gather hidden behind the next step's first forward
-    (cost.step_time's overlap_param_gather); Megatron-LM asserts it comes with --use-distributed-optimizer and
-    --overlap-grad-reduce, and so does the reader, naming both."""
-    script = (EXAMPLES / "llama2_70b.sh").read_text()
-    overlapped = tmp_path / "overlapped.sh"
-    overlapped.write_text(script.replace("--overlap-grad-reduce", "--overlap-grad-reduce --overlap-param-gather"))
-    plain, read = read_config(EXAMPLES / "llama2_70b.sh", num_gpus=64), read_config(overlapped, num_gpus=64)
+    (cost.step_time's overlap_param_gather), which the report prices; with a pipeline it is named as not modelled
+    and changes nothing; a layout without the distributed optimizer drops it; and Megatron-LM asserts it comes with
+    --use-distributed-optimizer and --overlap-grad-reduce, which the reader says, naming what is missing."""
+    small = tmp_path / "small.sh"
+    small.write_text(SMALL_MEGATRON)
+    read = read_config(small, num_gpus=8)
+    (tmp_path / "plain.sh").write_text(SMALL_MEGATRON.replace(" --overlap-param-gather", ""))
+    plain = read_config(tmp_path / "plain.sh", num_gpus=8)
     assert (plain.overlap_param_gather, read.overlap_param_gather) == (False, True)
     assert any(line.startswith("--overlap-param-gather: ") for line in read.conventions)
-    assert step_time(read.job, **read.assumptions).dp_s < step_time(plain.job, **plain.assumptions).dp_s
-    for missing in ("--overlap-grad-reduce ", "--use-distributed-optimizer "):
+    report = job_report(read, alternatives=False)
+    assert report["step"]["seconds"] == pytest.approx(step_time(read.job, **read.assumptions).total_s, rel=1e-12)
+    assert report["step"]["seconds"] < job_report(plain, alternatives=False)["step"]["seconds"]
+    assert read.changes(read.job.replace(zero_stage=0)) == ["remove --use-distributed-optimizer",
+                                                            "remove --overlap-param-gather"]
+    script = (EXAMPLES / "llama2_70b.sh").read_text()                      # pp 4
+    piped = tmp_path / "piped.sh"
+    piped.write_text(script.replace("--overlap-grad-reduce", "--overlap-grad-reduce --overlap-param-gather"))
+    with_flag, without = read_config(piped, num_gpus=64), read_config(EXAMPLES / "llama2_70b.sh", num_gpus=64)
+    assert any(line.startswith("--overlap-param-gather with a pipeline") for line in with_flag.not_modelled)
+    assert step_time(with_flag.job, **with_flag.assumptions) == step_time(without.job, **without.assumptions)
+    for missing in ("--overlap-grad-reduce", "--use-distributed-optimizer"):
         bad = tmp_path / "bad.sh"
-        bad.write_text(overlapped.read_text().replace(missing, ""))
-        with pytest.raises(ConfigError, match="--overlap-param-gather needs --use-distributed-optimizer and "
-                                              "--overlap-grad-reduce"):
-            read_config(bad, num_gpus=64)
+        bad.write_text(SMALL_MEGATRON.replace(missing + " ", ""))
+        with pytest.raises(ConfigError, match=f"--overlap-param-gather without {missing}: Megatron-LM's arguments.py "
+                                              "asserts"):
+            read_config(bad, num_gpus=8)

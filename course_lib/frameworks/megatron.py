@@ -17,6 +17,11 @@ Megatron's conventions, and how the course counts them:
   SwiGLU of width 2F/3, the same weights and FLOPs. LayerNorm, linear biases and learned positions (Megatron's
   defaults) are parameters the course model does not have: counted, in the report, as what is left out.
 * The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp, as Megatron pads it.
+* ``--overlap-grad-reduce`` reduces the gradients bucket by bucket during backward: half of it hidden (dp_overlap
+  0.5, as DDP's buckets). ``--overlap-param-gather`` (with it, and the distributed optimizer: Megatron asserts
+  both) gathers the updated weights into the next step, one bucket at a time, each module's forward waiting for
+  its own: hidden as much again, up to the first micro-batch's forward, without a pipeline (with one, Megatron
+  buckets the first stage's gather alone: timed as without the flag, and said).
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ NOT_MODELLED = {
     "data-parallel-sharding-strategy": "Megatron-FSDP's sharding: counted as the distributed optimizer or DDP",
     "optimizer-cpu-offload": "the optimizer's state in CPU memory: counted on the GPU, an upper bound",
     "tp-comm-overlap": "TP communication overlapped with GEMMs (Transformer Engine): timed without overlap",
+    "overlap-param-gather-with-optimizer-step": "the weights' gather started in the optimizer step: timed as "
+                                                "--overlap-param-gather alone",
+    "no-align-param-gather": "each stage's gather started at its own first forward: timed as "
+                             "--overlap-param-gather alone",
     "num-layers-in-first-pipeline-stage": "an uneven first stage: the course splits the layers evenly",
     "num-layers-in-last-pipeline-stage": "an uneven last stage: the course splits the layers evenly",
     "decoder-first-pipeline-num-layers": "an uneven first stage: the course splits the layers evenly",
@@ -79,9 +88,10 @@ NOT_MODELLED = {
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
-def spell(job: Job, virtual_stages: bool = False) -> dict[str, str]:
+def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = False) -> dict[str, str]:
     """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it).
-    ``virtual_stages``: the file gives interleaving as --num-virtual-stages-per-pipeline-rank, not as layers."""
+    ``virtual_stages``: the file gives interleaving as --num-virtual-stages-per-pipeline-rank, not as layers;
+    ``overlap_param_gather``: the file sets it, which a layout without the distributed optimizer must drop."""
     if virtual_stages:
         interleaving = {"--num-virtual-stages-per-pipeline-rank": str(job.num_chunks) if job.num_chunks > 1 else "(off)"}
     else:
@@ -92,7 +102,9 @@ def spell(job: Job, virtual_stages: bool = False) -> dict[str, str]:
     return {"--tensor-model-parallel-size": str(job.mesh.tp), "--pipeline-model-parallel-size": str(job.mesh.pp),
             **interleaving, "--micro-batch-size": str(job.micro_batch_size), "--recompute-granularity": recompute,
             "--sequence-parallel": "(on)" if job.sequence_parallel else "(off)",
-            "--use-distributed-optimizer": "(on)" if job.zero_stage == 1 else "(off)"}
+            "--use-distributed-optimizer": "(on)" if job.zero_stage == 1 else "(off)",
+            **({"--overlap-param-gather": "(on)" if job.zero_stage == 1 else "(off)"} if overlap_param_gather
+               else {})}
 
 
 def arguments(text: str) -> list[str]:
@@ -174,13 +186,21 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     convention = {"bf16": "bf16+fp32 grads", "fp16": "fp32 grad accumulation", "fp32": "fp32"}[precision]
     zero_stage = 1 if args.get("use-distributed-optimizer") else 0
     overlap_param_gather = bool(args.get("overlap-param-gather"))
-    if overlap_param_gather and not (zero_stage == 1 and args.get("overlap-grad-reduce")):
-        raise ConfigError(f"{where}: --overlap-param-gather needs --use-distributed-optimizer and "
-                          "--overlap-grad-reduce (Megatron-LM's arguments.py asserts both)")
     if overlap_param_gather:
-        conventions.append("--overlap-param-gather: the updated weights' all-gather runs bucket by bucket into the "
-                           "next step, each layer's forward waiting for its own weights; timed as hidden as the "
-                           "gradients' reduce is (dp_overlap), up to one micro-batch's forward")
+        sharded = zero_stage == 1 or args.get("use-megatron-fsdp") or args.get("use-custom-fsdp")
+        missing = [flag for flag, given in (("--use-distributed-optimizer", sharded),
+                                            ("--overlap-grad-reduce", args.get("overlap-grad-reduce"))) if not given]
+        if missing:
+            raise ConfigError(f"{where}: --overlap-param-gather without {' and '.join(missing)}: Megatron-LM's "
+                              "arguments.py asserts it comes with --overlap-grad-reduce and the distributed "
+                              "optimizer (or Megatron-FSDP)")
+        conventions.append("--overlap-param-gather: the updated weights gathered into the next step, one bucket at a "
+                           "time, each module's forward waiting for its own: timed as hidden as the gradients' "
+                           "reduce (half), up to the first micro-batch's forward")
+        if pp > 1:
+            not_modelled.append("--overlap-param-gather with a pipeline: Megatron buckets the first stage's gather "
+                                "alone, the others gather their weights whole at their first forward; timed as "
+                                "without the flag")
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
@@ -197,7 +217,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         f", {config.num_experts} experts" if config.num_experts else "")
     virtual_stages = "num-virtual-stages-per-pipeline-rank" in args
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
-                      functools.partial(spell, virtual_stages=virtual_stages),
+                      functools.partial(spell, virtual_stages=virtual_stages,
+                                        overlap_param_gather=overlap_param_gather),
                       dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0,
                       overlap_param_gather=overlap_param_gather)
 
