@@ -147,6 +147,12 @@ def _counted(part: str, fields: tuple, micro_batch_size: int, seq_len: int, spli
 ROTARY = ("model.py", "complex", "rotate_half")
 
 
+def check_rotary(rotary: str) -> None:
+    """Refuse a rotary eager_traffic cannot count, naming the ones it can."""
+    if rotary not in ROTARY:
+        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
+
+
 def _complex_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """torchtitan's rotary (module docstring): channel pairs (2i, 2i + 1) as complex numbers, times e^(i·angle)."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
@@ -207,8 +213,7 @@ def layer_traffic(config: ModelConfig, *, micro_batch_size: int, seq_len: int, t
     """One layer's memory-bound ops on one of ``tp`` ranks, as model.py dispatches them: {"forward",
     "backward"} -> Traffic (module docstring), its rotary written as ``rotary`` says (ROTARY: model.py's count
     less its rotary's, plus the other's). ``device="cpu"`` runs it for real (the same count, slower)."""
-    if rotary not in ROTARY:
-        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
+    check_rotary(rotary)
     check_tp_divisible(config, tp)
     fields, shape = _fields(config, bytes_per_element), (micro_batch_size, seq_len, tp, bytes_per_element, device)
     counted = _counted("layer", fields, *shape)

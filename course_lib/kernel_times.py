@@ -71,7 +71,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .eager_traffic import ROTARY, all_but_norms, head_traffic, layer_traffic
+from .eager_traffic import all_but_norms, check_rotary, head_traffic, layer_traffic
 from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
@@ -269,8 +269,7 @@ def _eager_ops(gpu: GPU, elementwise_ops: str, rotary: str = "model.py") -> bool
     run's code dispatches them (ELEMENTWISE_OPS; ``rotary``, eager_traffic.ROTARY: how its code writes rotary)."""
     if elementwise_ops not in ELEMENTWISE_OPS:
         raise ValueError(f"elementwise_ops={elementwise_ops!r}: one of {', '.join(map(repr, ELEMENTWISE_OPS))}")
-    if rotary not in ROTARY:
-        raise ValueError(f"rotary={rotary!r}: one of {', '.join(map(repr, ROTARY))} (eager_traffic's docstring)")
+    check_rotary(rotary)
     if gpu.eager_elementwise and (elementwise_ops == "eager, fused norm" or rotary != "model.py"):
         raise ValueError(f"elementwise_ops={elementwise_ops!r}, rotary={rotary!r} on {gpu.name}: it runs the "
                          "course's model, whose norms are no fused kernel and whose rotary is model.py's")

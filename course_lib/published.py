@@ -259,6 +259,7 @@ TORCHTITAN_A100 = [
 ]
 
 
+TORCHTITAN_ROTARY = "complex"    # its apply_rotary_emb, at 1ea476e9f and 9dec370 alike (eager_traffic.ROTARY)
 # each model's norm_type in its train_configs toml at 1ea476e9f
 TORCHTITAN_NORM = {"Llama 3 8B": "fused_rmsnorm", "Llama 3 70B": "rmsnorm", "Llama 2 13B": "fused_rmsnorm",
                    "Llama 2 70B": "rmsnorm"}
@@ -272,8 +273,9 @@ def torchtitan_runs() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"{name}, 64 A100 80GB, s {seq_len:,}, b {b}, recompute {recompute} (torchtitan)", config,
             "A100 80GB", Mesh(dp=64), dict(seq_len=seq_len, micro_batch_size=b, zero_stage=3, recompute=recompute,
-                                           dp_overlap=FSDP_OVERLAP, elementwise_ops="eager, fused norm"
-                                           if TORCHTITAN_NORM[name] == "fused_rmsnorm" else "eager", rotary="complex"),
+                                           dp_overlap=FSDP_OVERLAP, rotary=TORCHTITAN_ROTARY,
+                                           elementwise_ops="eager, fused norm"
+                                           if TORCHTITAN_NORM[name] == "fused_rmsnorm" else "eager"),
             "mfu", wps * per_token / find_gpu("A100 80GB").peak_flops,
             f"{TORCHTITAN}: {line}", TORCHTITAN_ASSUMED))
     return runs
@@ -310,7 +312,7 @@ def torchtitan_h100_runs() -> list[PublishedRun]:
             runs.append(PublishedRun(
                 f"Llama 3.1 8B, {gpus} H100 500 W, s 8,192, b 2, {name} (torchtitan)", LLAMA3_8B, "H100 SXM",
                 Mesh(dp=gpus), dict(seq_len=8192, micro_batch_size=2, zero_stage=3, recompute="op",
-                                    dp_overlap=FSDP_OVERLAP, elementwise_ops=ops, rotary="complex"),
+                                    dp_overlap=FSDP_OVERLAP, elementwise_ops=ops, rotary=TORCHTITAN_ROTARY),
                 "mfu", rate * per_token / find_gpu("H100 SXM").peak_flops,
                 f"{TORCHTITAN_H100}: {gpus} GPUs, '{label}': {rate:,} TPS/GPU", TORCHTITAN_H100_ASSUMED,
                 ran_on=GRAND_TETON_H100))

@@ -29,7 +29,7 @@ import tomllib
 from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
-from ..published import FSDP_OVERLAP, TORCHTITAN_H100_TPS
+from ..published import FSDP_OVERLAP, TORCHTITAN_H100_TPS, TORCHTITAN_ROTARY
 from .common import ConfigError, ReadConfig, nearest, whole
 
 # model.name -> flavour -> the model's shape (torchtitan/models/llama3/__init__.py and the older llama2's):
@@ -231,7 +231,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
                       elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
-                      rotary="model.py" if elementwise_ops == "fused" else "complex")
+                      rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY)
 
 
 def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
