@@ -10,8 +10,8 @@ their sources, are cost.py's part 2 (tp_s and dp_s).
                 measured it (hardware.collective_link: gloo's reduce-scatter costs more per byte than its
                 all-reduce)
     tp        = a layer's all-reduces (or, with sequence parallelism, reduce-scatter + all-gather pairs) as
-                tensor_parallel.tp_step_traffic counts them, less the backward's share × tp_overlap, up to the
-                weight-gradient GEMMs' time
+                tensor_parallel.tp_step_traffic counts them, less the backward's two × tp_overlap, each up to
+                the weight-gradient GEMMs of its column-parallel block (attention's q, k, v; the MLP's gate, up)
     dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
                 embedding, the head) paying each call's latency, as many calls as the ZeRO stage makes; then
                 min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
@@ -27,10 +27,13 @@ from .job import Job
 from .per_rank import data_parallel_traffic, layers_per_rank
 from .tensor_parallel import tp_step_traffic
 
+COLUMN_PARALLEL = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # kernel_times' names, by block
+
 
 def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> float:
     """A layer's TP collectives for one micro-batch, as many as tensor_parallel.tp_step_traffic counts for the
-    job's recomputation, less the backward's share hidden behind the weight-gradient GEMMs (× tp_overlap)."""
+    job's recomputation, less the backward's share hidden behind the column-parallel blocks' weight-gradient
+    GEMMs (× tp_overlap, each reduction up to its own block's GEMMs)."""
     config, t = job.config, job.mesh.tp
     if t == 1:
         return 0.0
@@ -43,10 +46,13 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     one = sum(collective_latency(hw, link, op, t, nodes)
               + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
               for op in ops)
-    # forward, input gradients, weight gradients (+ a rerun of the forward: each op's kernels say how many)
-    weight_gradients = sum(op.seconds / op.kernels for op in layer_ops if op.name.endswith("_proj"))
-    backward = 2 * one                                   # the backward's two all-reduces of the layer
-    return per_layer * one - min(tp_overlap * backward, weight_gradients)
+    # The backward's two reductions are the input gradients of the two column-parallel blocks, each issued
+    # before that block's own weight-gradient GEMMs and waited for after them (Megatron-LM's
+    # LinearWithGradAccumulationAndAsyncCommunication, Transformer Engine's Linear: "overlap dgrad-RS/AR with
+    # wgrad"): attention's behind q, k and v's, the MLP's behind gate and up's. One GEMM of each projection's
+    # kernels (forward, input gradient, weight gradient, + a rerun of the forward) is its weight gradient.
+    windows = [sum(op.seconds / op.kernels for op in layer_ops if op.name in names) for names in COLUMN_PARALLEL]
+    return per_layer * one - sum(min(tp_overlap * one, window) for window in windows)
 
 
 def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_param_gather: bool = False

@@ -121,7 +121,8 @@ def job_report(read: ReadConfig, alternatives: bool = True) -> dict:
         "sent_bytes_checked": _agreement(run["sent_bytes"], formulas["sent_bytes"], skip=() if built else ("dp",)),
         "bubble": bubble_fraction(job.mesh.pp, job.num_microbatches, job.num_chunks),
         "step": {"seconds": time.total_s, "tokens_per_s": time.tokens_per_s, "mfu": time.mfu,
-                 "parts": time.breakdown(), "dp_overlap": read.dp_overlap},
+                 "parts": time.breakdown(), "dp_overlap": read.assumptions.get("dp_overlap", 0.0),
+                 "tp_overlap": read.assumptions.get("tp_overlap", 0.0) if job.mesh.tp > 1 else 0.0},
         "error_band": {"regime": name, **held_out_errors().get(name, {"runs": 0})},
         "bottleneck": bottleneck(memory, time, job),
         "better": better_layouts(read, time.tokens_per_s, memory["fits"]) if alternatives else None,
@@ -292,7 +293,9 @@ def format_report(report: dict) -> str:
              + ("; dp not compared: its gradients are 16-bit there)" if "state_bytes" not in mem["measured"] else ")"),
               f"pipeline bubble: {report['bubble']:.1%}", "",
               f"step {step['seconds']:.3g} s, {step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.0%} "
-              f"(data-parallel traffic {step['dp_overlap']:.0%} hidden)",
+              f"(data-parallel traffic {step['dp_overlap']:.0%} hidden" + (
+                  f"; TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs)" if step["tp_overlap"]
+                  else ")"),
               "  " + ", ".join(f"{part} {seconds / step['seconds']:.0%}" for part, seconds in step["parts"].items()),
               "  " + _band_text(band), "",
               f"bottleneck: {report['bottleneck']}"]

@@ -2,6 +2,7 @@
 of each framework read and reported, its memory the virtual run's measured bytes and its state the framework's
 own formula; the same layout in three dialects; every bad input one line and exit code 2."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_torchtitan_memory_bound_ops_as_the_file_runs_them(tmp_path, model, rest
     one kernel unless an older file names torchtitan's own RMSNorm class."""
     (tmp_path / "t.toml").write_text('[model]\nflavor = "8B"\n' + model + rest)
     read = read_config(tmp_path / "t.toml", num_gpus=8)
-    assert read.elementwise_ops == ops
+    assert read.assumptions["elementwise_ops"] == ops
     assert any(("op by op" in line) == (ops != "fused") for line in read.conventions)
 
 
@@ -144,15 +145,16 @@ def test_reports_read_their_files(reports):
     assert any(line.startswith("torch.compile: ") for line in titan["conventions"])   # [compile] enable = true
     eager, _ = reports["llama3_8b.toml"]                                     # no [compile]: torchtitan runs eagerly
     assert any(line.startswith("no torch.compile (its default)") for line in eager.conventions)
-    assert (reports["llama2_70b_fsdp_tp.toml"][0].elementwise_ops, eager.elementwise_ops,
-            reports["gpt3_175b_3d.sh"][0].elementwise_ops, reports["zero3_llama2_7b.json"][0].elementwise_ops) == (
-        "fused", "eager, fused norm", "fused", "eager")    # nn.RMSNorm is one kernel; a Hugging Face norm is not
+    ops = {name: reports[name][0].assumptions["elementwise_ops"] for name in (
+        "llama2_70b_fsdp_tp.toml", "llama3_8b.toml", "gpt3_175b_3d.sh", "zero3_llama2_7b.json")}
+    assert list(ops.values()) == ["fused", "eager, fused norm", "fused", "eager"]  # nn.RMSNorm is one kernel; HF's not
     mixtral, _ = reports["zero3_mixtral_offload.json"]                     # the eager count cannot route tokens
-    assert mixtral.elementwise_ops == "fused" and any("mixture of experts" in line for line in mixtral.not_modelled)
+    assert mixtral.assumptions["elementwise_ops"] == "fused"
+    assert any("mixture of experts" in line for line in mixtral.not_modelled)
     read, gpt3 = reports["gpt3_175b_3d.sh"]
     assert gpt3["gpus"] == 1024 and read.job.num_chunks == 4 and read.job.sequence_parallel
     assert read.job.config.vocab_size == 51200 and gpt3["num_microbatches"] == 96
-    assert read.dp_overlap == 0.5                          # --overlap-grad-reduce
+    assert read.assumptions["dp_overlap"] == 0.5                          # --overlap-grad-reduce
     _, offload = reports["zero3_mixtral_offload.json"]
     assert any("offload_optimizer" in line for line in offload["not_modelled"])
     _, qwen = reports["zero2_qwen2_7b.json"]
@@ -386,7 +388,7 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
     read = read_config(small, num_gpus=8)
     (tmp_path / "plain.sh").write_text(SMALL_MEGATRON.replace(" --overlap-param-gather", ""))
     plain = read_config(tmp_path / "plain.sh", num_gpus=8)
-    assert (plain.overlap_param_gather, read.overlap_param_gather) == (False, True)
+    assert (plain.assumptions["overlap_param_gather"], read.assumptions["overlap_param_gather"]) == (False, True)
     assert any(line.startswith("--overlap-param-gather: ") for line in read.conventions)
     report = job_report(read, alternatives=False)
     assert report["step"]["seconds"] == pytest.approx(step_time(read.job, **read.assumptions).total_s, rel=1e-12)
@@ -405,3 +407,19 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
         with pytest.raises(ConfigError, match=f"--overlap-param-gather without {missing}: Megatron-LM's arguments.py "
                                               "asserts"):
             read_config(bad, num_gpus=8)
+
+
+def test_megatrons_tp_reductions_run_beside_the_weight_gradients(reports):
+    """Megatron-LM always issues a column-parallel layer's input-gradient reduction before that layer's weight-gradient
+    GEMM (no flag turns it off): its reader prices TP's backward as hidden up to those GEMMs (tp_overlap 1), which
+    shortens the step. torchtitan's TP waits for each collective (its async TP is named as not modelled). A reader's
+    assumptions are step_time's keywords, checked by name."""
+    read, report = reports["gpt3_175b_3d.sh"]
+    assert read.assumptions["tp_overlap"] == 1.0 and any(line.startswith("TP's backward: ") for line in read.conventions)
+    hidden = step_time(read.job, **read.assumptions)
+    assert report["step"]["seconds"] == pytest.approx(hidden.total_s, rel=1e-12)
+    assert hidden.tp_s < step_time(read.job, **{**read.assumptions, "tp_overlap": 0.0}).tp_s
+    titan, _ = reports["llama2_70b_fsdp_tp.toml"]
+    assert titan.job.mesh.tp == 8 and "tp_overlap" not in titan.assumptions
+    with pytest.raises(ValueError, match=r"ReadConfig assumptions \['tp_overlapp'\]: step_time takes"):
+        dataclasses.replace(read, assumptions={"tp_overlapp": 1.0})

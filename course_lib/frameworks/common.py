@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..cost import ASSUMPTIONS
 from ..job import Job
 
 
@@ -23,18 +24,16 @@ class ReadConfig:
     not_modelled: list[str] = field(default_factory=list)   # keys read and set, that the report does not count
     unknown: list[str] = field(default_factory=list)        # keys no reader knows, with the nearest known one
     spell: Callable[[Job], dict[str, str]] | None = None   # the framework's: job -> {key: value as in its file}
-    dp_overlap: float = 0.5        # the share of data-parallel traffic the framework hides behind compute
-    elementwise_ops: str = "fused"  # its memory-bound ops fused or one by one (kernel_times.ELEMENTWISE_OPS)
-    rotary: str = "model.py"       # how its code writes rotary, where it runs op by op (eager_traffic.ROTARY)
-    overlap_param_gather: bool = False   # ZeRO-1's weights gathered beside the next forward (Megatron's flag)
+    # cost.step_time's assumptions as this framework runs the job: what it overlaps (dp_overlap, tp_overlap,
+    # overlap_param_gather) and how its kernels run (elementwise_ops, rotary); step_time's default where not given
+    assumptions: dict = field(default_factory=dict)
     grad_reduce_bytes: int | None = None   # bytes per gradient element the framework reduces in, where it differs
     recipes_convention: str | None = None  # the state convention the framework's other layouts run, where not this one's
 
-    @property
-    def assumptions(self) -> dict:
-        """cost.step_time's assumptions as this framework runs the job (its overlap, its kernels)."""
-        return dict(dp_overlap=self.dp_overlap, elementwise_ops=self.elementwise_ops, rotary=self.rotary,
-                    overlap_param_gather=self.overlap_param_gather)
+    def __post_init__(self):
+        unknown = sorted(set(self.assumptions) - set(ASSUMPTIONS))
+        if unknown:
+            raise ValueError(f"ReadConfig assumptions {unknown}: step_time takes {', '.join(ASSUMPTIONS)}")
 
     def changes(self, other: Job) -> list[str]:
         """The lines of this framework's file that turn this job into ``other`` (a layout the planner found): each

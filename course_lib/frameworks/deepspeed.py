@@ -175,8 +175,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         not_modelled.append("a mixture of experts in eager PyTorch: its norms, rotary, SwiGLU products and residual "
                             "adds timed as fused kernels (the eager count cannot route tokens), a lower bound")
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
-                      dp_overlap=overlap, elementwise_ops="eager" if eager else "fused",
-                      rotary="rotate_half" if eager else "model.py")
+                      assumptions=dict(dp_overlap=overlap, elementwise_ops="eager" if eager else "fused",
+                                       rotary="rotate_half" if eager else "model.py"))
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:

@@ -74,7 +74,9 @@ NOT_MODELLED = {
     "use-megatron-fsdp": "Megatron's own FSDP: counted as the distributed optimizer (ZeRO-1) or DDP",
     "data-parallel-sharding-strategy": "Megatron-FSDP's sharding: counted as the distributed optimizer or DDP",
     "optimizer-cpu-offload": "the optimizer's state in CPU memory: counted on the GPU, an upper bound",
-    "tp-comm-overlap": "TP communication overlapped with GEMMs (Transformer Engine): timed without overlap",
+    "tp-comm-overlap": "TP's forward collectives pipelined with the GEMMs (Transformer Engine's userbuffers): timed "
+                       "with only the input gradients' reduction beside the weight-gradient GEMMs, as Megatron "
+                       "always runs it",
     "overlap-param-gather-with-optimizer-step": "the weights' gather started in the optimizer step: timed as "
                                                 "--overlap-param-gather alone",
     "no-align-param-gather": "each stage's gather started at its own first forward: timed as "
@@ -85,6 +87,12 @@ NOT_MODELLED = {
     "decoder-last-pipeline-num-layers": "an uneven last stage: the course splits the layers evenly",
     "moe-shared-expert-intermediate-size": "a shared expert: the course's MoE layer has routed experts only",
 }
+# Megatron-LM's column-parallel linear layers (megatron/core/tensor_parallel/layers.py,
+# LinearWithGradAccumulationAndAsyncCommunication, and Transformer Engine's Linear: "Overlap dgrad-RS/AR with
+# wgrad") issue the input gradient's all-reduce, or reduce-scatter under sequence parallelism, asynchronously before
+# their weight-gradient GEMM and wait for it after: no flag turns it off (Korthikanti et al. 2022, 5, the published
+# rows' tp_overlap). It relies on CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron's example scripts set.
+TP_OVERLAP = 1.0
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
@@ -201,6 +209,11 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
             not_modelled.append("--overlap-param-gather with a pipeline: Megatron buckets the first stage's gather "
                                 "alone, the others gather their weights whole at their first forward; timed as "
                                 "without the flag")
+    if tp > 1:
+        conventions.append("TP's backward: each column-parallel layer's input-gradient all-reduce (reduce-scatter "
+                           "with --sequence-parallel) runs beside its weight-gradient GEMM, as Megatron-LM's "
+                           "linear layers and Transformer Engine's always issue it: timed hidden up to those GEMMs "
+                           "(step_time's tp_overlap = 1)")
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
@@ -219,8 +232,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
                       functools.partial(spell, virtual_stages=virtual_stages,
                                         overlap_param_gather=overlap_param_gather),
-                      dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0,
-                      overlap_param_gather=overlap_param_gather)
+                      assumptions=dict(dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0,
+                                       overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
+                                       elementwise_ops="fused"))   # its fused norm, SwiGLU and dropout-add kernels
 
 
 def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:

@@ -229,9 +229,10 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       functools.partial(spell, global_batch_size=global_batch if explicit else None),
                       grad_reduce_bytes=4 if fp32_reduce else None,
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
-                      dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
-                      elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
-                      rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY)
+                      assumptions=dict(
+                          dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
+                          elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
+                          rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY))
 
 
 def _elementwise_ops(toml: dict, tp: int, conventions: list[str]) -> str:
