@@ -55,16 +55,19 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     return per_layer * one - sum(min(tp_overlap * one, window) for window in windows)
 
 
-def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_param_gather: bool = False
-               ) -> tuple[float, float, str]:
+def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_param_gather: bool = False,
+               grad_reduce_bytes: int | None = None) -> tuple[float, float, str]:
     """(DP traffic's seconds, what is left exposed, the link of its widest group) on the busiest stage: each group
     of per_rank.data_parallel_traffic on its own link, each call paying α; then the overlap (cost.py's
     part 2): the gradients' reduction hides behind backward, ZeRO-3's prefetched gathers behind compute, and,
-    ``overlap_param_gather``, ZeRO-1's gather of the updated weights behind the next step's first forward."""
+    ``overlap_param_gather``, ZeRO-1's gather of the updated weights behind the next step's first forward.
+    ``grad_reduce_bytes``: bytes per gradient element as the framework reduces them, where not job.grad_bytes
+    (FSDP2's reduce_dtype, Composer's "DEFAULT" mixed precision: fp32 reductions of 16-bit gradients)."""
     mesh, m, zero = job.mesh, job.num_microbatches, job.zero
     link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
     if mesh.dp * mesh.cp == 1:
         return 0.0, 0.0, link_name
+    reduced = (grad_reduce_bytes or job.grad_bytes) / job.grad_bytes    # the gradients' bytes as reduced
     busiest = (0.0, 0.0)
     for stage in range(mesh.pp):
         gradient = weight = 0.0
@@ -74,11 +77,11 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
             for op, nbytes in group["ops"].items():
                 latency = collective_latency(hw, link, op, group["size"], nodes)
                 rate = collective_link(hw, link, op).bytes_per_s
-                seconds = calls_per_step(job, op, group) * units_reduced(job, stage) * latency + nbytes / rate
-                if op == "all_gather":
-                    weight += seconds
-                else:
-                    gradient += seconds
+                calls = calls_per_step(job, op, group) * units_reduced(job, stage)
+                if op == "all_gather":                                # the weights
+                    weight += calls * latency + nbytes / rate
+                else:                                                 # the gradients
+                    gradient += calls * latency + nbytes * reduced / rate
         if gradient + weight > sum(busiest):
             busiest = (gradient, weight)
     gradient, weight = busiest

@@ -222,24 +222,29 @@ class StepTime:
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
-               "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather")
+               "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather", "grad_reduce_bytes")
 PIPELINE_SENDS = ("blocking", "async")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
               scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused",
-              rotary: str = "model.py", overlap_param_gather: bool = False) -> StepTime:
+              rotary: str = "model.py", overlap_param_gather: bool = False,
+              grad_reduce_bytes: int | None = None) -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
     whether a pipeline stage waits for its own sends ("blocking") or only for its input ("async"), whether the
     memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS) and, op by op, how its code writes
     rotary (eager_traffic.ROTARY), whether ZeRO-1's weights are gathered beside the next forward (Megatron's
-    --overlap-param-gather).
+    --overlap-param-gather), the bytes the framework reduces each gradient in where not the job's (fp32
+    reductions of 16-bit gradients: FSDP2's reduce_dtype, Composer's "DEFAULT").
     The formulas: the module docstring's part 2."""
     if pipeline_sends not in PIPELINE_SENDS:
         raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
+    if grad_reduce_bytes not in (None, 2, 4, 8):
+        raise ValueError(f"grad_reduce_bytes={grad_reduce_bytes!r}: None (the job's gradients) or the bytes of a "
+                         "16-, 32- or 64-bit float (2, 4, 8)")
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
                        tp_overlap=tp_overlap)
     m = job.num_microbatches
@@ -256,7 +261,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
     # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
     held = job.replace(num_chunks=1, schedule="1f1b")
-    dp_comm, dp, dp_link = dp_seconds(held, hw, compute, dp_overlap, overlap_param_gather)
+    dp_comm, dp, dp_link = dp_seconds(held, hw, compute, dp_overlap, overlap_param_gather, grad_reduce_bytes)
     optimizer = max(optimizer_operation(hw, _updated_params(held, stage), job.grad_bytes).seconds
                     for stage in range(job.mesh.pp))
     overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,

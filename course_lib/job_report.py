@@ -14,7 +14,7 @@ The report, from Python ``job_report(read_config(...))`` and ``format_report``:
   and a reserve (recipes.RESERVE_SHARE of the card: allocator, NCCL buffers, workspaces).
 * **Bytes per axis** that rank sends in one step (per_rank's formulas for the whole step, checked against the bytes
   the virtual run measured on its shorter one), and the pipeline's bubble, (p - 1)/(v·m + p - 1).
-* **Step time**, tokens/s and MFU (cost.step_time, with the framework's overlap of data-parallel traffic), and the
+* **Step time**, tokens/s and MFU (cost.step_time, with the framework's overlaps and reduction bytes), and the
   cost model's error on the held-out published runs of the same regime (published.held_out_errors).
 * **The bottleneck**, in one sentence, and **better layouts** among those the framework can run (the planner's
   recipes, same global batch), each as the lines to change in the file.
@@ -189,12 +189,18 @@ def framework_dp_bytes(read: ReadConfig, stage: int) -> float | None:
     """The data-parallel bytes a step sends where the framework reduces gradients in other bytes than the course's
     ZeRO (torchtitan's FSDP2 reduces in fp32, where the course reduces 16-bit gradients): every reduction scaled,
     the weights' all-gathers as they are. None where the two agree."""
-    job = read.job
-    if read.grad_reduce_bytes in (None, job.grad_bytes):
+    job, reduce_bytes = read.job, read.assumptions.get("grad_reduce_bytes")
+    if reduce_bytes in (None, job.grad_bytes):
         return None
     ops = data_parallel_bytes_per_step(job, stage)
-    return sum(nbytes * (1 if op == "all_gather" else read.grad_reduce_bytes / job.grad_bytes)
-               for op, nbytes in ops.items())
+    return sum(nbytes * (1 if op == "all_gather" else reduce_bytes / job.grad_bytes) for op, nbytes in ops.items())
+
+
+def _overlap_text(step: dict, sent_bytes: dict) -> str:
+    """What the step hides behind compute, as the framework schedules it: " (...)", or "" where nothing hides."""
+    hidden = ([f"data-parallel traffic {step['dp_overlap']:.0%} hidden"] if sent_bytes.get("dp") else []) + (
+        [f"TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs"] if step["tp_overlap"] else [])
+    return f" ({'; '.join(hidden)})" if hidden else ""
 
 
 def bottleneck(memory: dict, time, job: Job) -> str:
@@ -286,16 +292,14 @@ def format_report(report: dict) -> str:
               "sent per step by that rank: " + ", ".join(f"{axis} {size_text(b)}" for axis, b in
                                                          report["sent_bytes"].items() if b),
               *([f"  {report['framework']} reduces its gradients in fp32: dp {size_text(report['framework_dp_bytes'])} "
-                "(the step time counts the course's 16-bit reduction)"] if report["framework_dp_bytes"] else []),
+                "(the step time counts these)"] if report["framework_dp_bytes"] else []),
              f"  (per_rank's formulas for m = {report['num_microbatches']}; on the virtual run's step of "
               f"{_count(mem['run_microbatches'], 'micro-batch')} they are within "
               f"{report['sent_bytes_checked']:.1%} of the bytes measured"
              + ("; dp not compared: its gradients are 16-bit there)" if "state_bytes" not in mem["measured"] else ")"),
               f"pipeline bubble: {report['bubble']:.1%}", "",
-              f"step {step['seconds']:.3g} s, {step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.0%} "
-              f"(data-parallel traffic {step['dp_overlap']:.0%} hidden" + (
-                  f"; TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs)" if step["tp_overlap"]
-                  else ")"),
+              f"step {step['seconds']:.3g} s, {step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.0%}"
+              + _overlap_text(step, report["sent_bytes"]),
               "  " + ", ".join(f"{part} {seconds / step['seconds']:.0%}" for part, seconds in step["parts"].items()),
               "  " + _band_text(band), "",
               f"bottleneck: {report['bottleneck']}"]

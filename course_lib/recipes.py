@@ -283,8 +283,9 @@ DDP_OVERLAP = 0.5    # gradient buckets reduced during backward: half hidden (no
 
 def framework_overlap(zero_stage: int) -> float:
     """The share of the DP traffic hidden behind compute as the frameworks schedule it: ZeRO-3's (FSDP's) gathers
-    and reduce-scatters counted exposed, as the published FSDP runs fit (published.FSDP_OVERLAP); DDP's and
-    ZeRO-1/2's gradient buckets half hidden behind backward (DDP_OVERLAP, an assumption)."""
+    and reduce-scatters as the published FSDP runs fit (published.FSDP_OVERLAP: half); DDP's and ZeRO-1/2's
+    gradient buckets half hidden behind backward (DDP_OVERLAP, an assumption). Both a half, from different
+    evidence."""
     return FSDP_OVERLAP if zero_stage == 3 else DDP_OVERLAP
 
 

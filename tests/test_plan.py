@@ -195,8 +195,9 @@ def test_a_typo_in_the_number_of_gpus_answers_at_once():
 
 
 def test_the_planner_hides_dp_traffic_as_each_framework_schedules_it():
-    """recipes.framework_overlap: FSDP's (ZeRO-3's) gathers and reduce-scatters counted exposed, as the published
-    FSDP runs fit (published.FSDP_OVERLAP); DDP's and ZeRO-1/2's gradient buckets half hidden behind backward."""
+    """recipes.framework_overlap: FSDP's (ZeRO-3's) gathers and reduce-scatters half hidden, as the published FSDP
+    runs fit (published.FSDP_OVERLAP); DDP's and ZeRO-1/2's gradient buckets half hidden behind backward (an
+    assumption, recipes.DDP_OVERLAP). A share given to the planner is the one used."""
     from course_lib.published import FSDP_OVERLAP
     from course_lib.recipes import DDP_OVERLAP, cost_layout
     config, mesh, workload = preset("llama2-7b"), Mesh(dp=16), Workload(recompute="full")
@@ -204,6 +205,6 @@ def test_the_planner_hides_dp_traffic_as_each_framework_schedules_it():
         layout = cost_layout("ZeRO", config, mesh, zero_stage, workload, gpu_bytes=80 * GiB)
         assert layout.time.total_s == step_time(layout.job, dp_overlap=overlap).total_s
         assert layout.time.dp_s > 0
-    assert FSDP_OVERLAP == 0 and DDP_OVERLAP == 0.5
-    hidden = cost_layout("ZeRO", config, mesh, 3, workload, gpu_bytes=80 * GiB, dp_overlap=0.5)   # stated: used
+    assert FSDP_OVERLAP == DDP_OVERLAP == 0.5
+    hidden = cost_layout("ZeRO", config, mesh, 3, workload, gpu_bytes=80 * GiB, dp_overlap=1.0)   # stated: used
     assert hidden.time.dp_s < cost_layout("ZeRO", config, mesh, 3, workload, gpu_bytes=80 * GiB).time.dp_s

@@ -48,16 +48,17 @@ def test_every_llm_foundry_row_is_read_from_the_row_as_printed():
 
 
 def test_the_model_on_runs_it_was_not_shaped_beside():
-    """llm-foundry: at least 183 of 203 within 5 points (181 before the memory-bound ops took the shares one H200
-    measured, kernel_times.STREAM_SHARE), every regime's mean within 5; every row at 16k tokens and more within 6
+    """llm-foundry: at least 186 of 203 within 5 points (181 before the memory-bound ops took the shares one H200
+    measured, kernel_times.STREAM_SHARE; 183 before the rows' fp32 reductions were counted), every regime's mean
+    within 5; every row at 16k tokens and more within 6
     (with attention as one flat share they were 16-22 points off on H100, and the trend ran backwards); H100 there
     within 5 each. torchtitan, held out: all 6 within 5, its 'selective op' rows run as recompute='op' (every
     second matmul rerun): costed as the course's 'selective' (each attention core rerun), they come out 3 points
-    higher or more, further off on average (+2.1 to +5.9 against -2.4 to +1.1 when written)."""
+    higher or more, further off on average (+5.8 to +8.3 against +0.7 to +3.1 when written)."""
     runs = llm_foundry_runs()
     rows = compare_published(runs)
     by_regime = error_by_regime(rows, runs)
-    assert sum(error["within_5"] for error in by_regime.values()) >= 183
+    assert sum(error["within_5"] for error in by_regime.values()) >= 186
     assert all(abs(error["mean"]) <= 5 for error in by_regime.values()), by_regime
     long = [(row, run) for row, run in zip(rows, runs) if run.layout["seq_len"] >= 16384]
     assert len(long) == 43 and all(abs(row["points"]) <= 6 for row, _ in long)
@@ -76,39 +77,39 @@ def with_layout(run, **changes):
     return dataclasses.replace(run, layout={**run.layout, **changes})
 
 
-def test_fsdp_traffic_counted_exposed_was_chosen_on_one_source_and_holds_on_another():
-    """published.FSDP_OVERLAP: chosen on llm-foundry's rows (176 within 5 points with half the traffic hidden,
-    181 with none, when it was chosen; 182 and 183 since the memory-bound ops take their measured shares), then
-    checked on torchtitan's, held out: 6 of 6 within 5 with none hidden, as with half (2 of 6 with half while
-    torchtitan's eager ops were priced as fused kernels); with all hidden, 2 of 6 (3 before their rotary was
-    counted as torchtitan writes it). Its H100 rows, on the card they ran on, land nearer with none hidden (at
-    most 1.5 points off when written) than with all."""
-    def within_5(runs, overlap):
-        return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap)
+def test_fsdp_overlap_was_chosen_on_one_source_and_holds_on_another():
+    """published.FSDP_OVERLAP: chosen among none, half and all hidden on llm-foundry's rows, each reducing its
+    gradients in the bytes its row says (fp32 under Composer's 'DEFAULT'): 182, 186 and 172 within 5 points; then
+    checked on torchtitan's, held out (fp32 reductions): 5, 6 and 2 of 6. Counted as 16-bit reductions, a quarter of
+    the bytes short, the rows had preferred none (183 against 182; torchtitan 6 and 6): two errors cancelling.
+    torchtitan's H100 rows, on the card they ran on, lean the other way (at most 1.0 points off with none hidden,
+    2.5 with half, 4.6 with all): every choice but all keeps them within 5."""
+    def within_5(runs, overlap, **changes):
+        return sum(abs(row["points"]) <= 5 for row in compare_published([with_layout(r, dp_overlap=overlap, **changes)
                                                                          for r in runs]))
-    assert FSDP_OVERLAP == 0.0
-    assert (within_5(llm_foundry_runs(), 0.5), within_5(llm_foundry_runs(), FSDP_OVERLAP)) == (182, 183)
-    assert (within_5(torchtitan_runs(), 1.0), within_5(torchtitan_runs(), FSDP_OVERLAP)) == (2, 6)
-    assert within_5(torchtitan_runs(), 0.5) == 6
+    assert FSDP_OVERLAP == 0.5
+    assert [within_5(llm_foundry_runs(), overlap) for overlap in (0.0, 0.5, 1.0)] == [182, 186, 172]
+    assert [within_5(torchtitan_runs(), overlap) for overlap in (0.0, 0.5, 1.0)] == [5, 6, 2]
+    assert [within_5(llm_foundry_runs(), overlap, grad_reduce_bytes=None) for overlap in (0.0, 0.5)] == [183, 182]
 
     def on_their_gpu(overlap):
-        return [row["on_its_gpu"] - row["theirs"] for row in compare_published(
-            [with_layout(run, dp_overlap=overlap) for run in torchtitan_h100_runs()])]
-    assert max(map(abs, on_their_gpu(FSDP_OVERLAP))) < max(map(abs, on_their_gpu(1.0)))
+        return max(abs(row["on_its_gpu"] - row["theirs"]) for row in compare_published(
+            [with_layout(run, dp_overlap=overlap) for run in torchtitan_h100_runs()]))
+    assert on_their_gpu(0.0) < on_their_gpu(FSDP_OVERLAP) <= 0.03 < on_their_gpu(1.0) <= 0.05
 
 
 def test_torchtitan_on_h100_eager_and_compiled_on_the_card_it_ran_on():
     """torchtitan's December 2024 H100 rows, held out: Llama 3.1 8B with FSDP2 on 8 and 128 GPUs, eager PyTorch
     (every memory-bound op op by op, elementwise_ops='eager') and with torch.compile (fused). On the catalogue's
-    H100 SXM the model is 7.0-9.4 points high: the source's cards are 500 W HBM2e parts whose peak it places
+    H100 SXM the model is 7.9-10.3 points high: the source's cards are 500 W HBM2e parts whose peak it places
     between the NVL's and the SXM's, without knowing it. On such a card at the low end, the NVL's peak, and 2.4
-    TB/s (ran_on), every row lands within 5 points (1.5 when written), and the row says so. Eager costs the model
+    TB/s (ran_on), every row lands within 5 points (2.5 when written), and the row says so. Eager costs the model
     a little more than it cost torchtitan (0.85 of the compiled MFU against 0.86 when written), never less; with
     the course's own rotary in place of torchtitan's complex multiply, more still (0.82)."""
     runs = torchtitan_h100_runs()
     rows = compare_published(runs)
     assert [run.layout["elementwise_ops"] for run in runs] == ["eager", "fused"] * 2
-    assert all(5 < row["points"] < 10 for row in rows)
+    assert all(5 < row["points"] < 11 for row in rows)
     assert all(abs(row["on_its_gpu"] - row["theirs"]) <= 0.05 for row in rows)
     assert all(row["why"].startswith("ran on another GPU, H100 HBM2e 96GB at 500 W") for row in rows)
     as_model_py = compare_published([with_layout(run, rotary="model.py") for run in runs])
@@ -198,7 +199,7 @@ def test_runs_above_the_kernels_ceiling_are_marked():
     assert all(row["ceiling"] < row["best_ceiling"] for row in above)   # the best kernels are faster than the model's
     off = [row for row in above if abs(row["points"]) > 5]
     nearness = sorted(row["theirs"] / row["best_ceiling"] for row in off)
-    assert len(off) == 12 and nearness[-1] < 1 and nearness[len(nearness) // 2] > 0.95   # 0.86-0.99 when written
+    assert len(off) == 10 and nearness[-1] < 1 and nearness[len(nearness) // 2] > 0.95   # 0.91-0.99 when written
     assert all("its matmuls ran faster than the model's share" in row["why"] for row in off)
     # above even the best kernels: five rows, all within 5 points, all at 32k-65k tokens (attention's kernel ran
     # faster than the model's)
@@ -241,16 +242,16 @@ def test_every_row_off_by_more_than_5_points_says_why_or_is_a_miss():
     # H200 measured (kernel_times.STREAM_SHARE) all 20 are within 5
     assert all(abs(row["points"]) <= 5 for name, row in rows.items() if name.startswith("MPT-125m"))
     off = [row for row in rows.values() if abs(row["points"]) > 5]
-    assert sum(not row["why"] for row in off) <= 2                   # 2 when written (4 before the shares)
+    assert sum(not row["why"] for row in off) <= 1                   # 1 when written (4 before the shares)
 
 
 def test_every_published_run_together():
     """All 229 runs of the three sets (the sixteen, llm-foundry's, torchtitan's on A100 and H100), five sources: at
-    least 205 within 5 points (the 4 torchtitan H100 rows, priced on the SXM, are not: they ran on another card).
+    least 208 within 5 points (the 4 torchtitan H100 rows, priced on the SXM, are not: they ran on another card).
     The 225 that ran on a card of the catalogue come out in the published order, Spearman's ρ at least 0.92
-    (0.930 when written; 203 and 0.910 before the memory-bound ops took the shares one H200 measured)."""
+    (0.928 when written; 203 and 0.910 before the memory-bound ops took the shares one H200 measured)."""
     rows = compare_published(PUBLISHED_RUNS + llm_foundry_runs() + torchtitan_runs() + torchtitan_h100_runs())
-    assert len(rows) == 229 and sum(abs(row["points"]) <= 5 for row in rows) >= 205
+    assert len(rows) == 229 and sum(abs(row["points"]) <= 5 for row in rows) >= 208
     on_theirs = [row for row in rows if row["on_its_gpu"] is None]
     assert len(on_theirs) == 225
     assert rank_correlation([row["ours"] for row in on_theirs], [row["theirs"] for row in on_theirs]) >= 0.92

@@ -25,9 +25,9 @@ class ReadConfig:
     unknown: list[str] = field(default_factory=list)        # keys no reader knows, with the nearest known one
     spell: Callable[[Job], dict[str, str]] | None = None   # the framework's: job -> {key: value as in its file}
     # cost.step_time's assumptions as this framework runs the job: what it overlaps (dp_overlap, tp_overlap,
-    # overlap_param_gather) and how its kernels run (elementwise_ops, rotary); step_time's default where not given
+    # overlap_param_gather), the bytes it reduces gradients in (grad_reduce_bytes) and how its kernels run
+    # (elementwise_ops, rotary); step_time's default where not given
     assumptions: dict = field(default_factory=dict)
-    grad_reduce_bytes: int | None = None   # bytes per gradient element the framework reduces in, where it differs
     recipes_convention: str | None = None  # the state convention the framework's other layouts run, where not this one's
 
     def __post_init__(self):

@@ -162,9 +162,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     problems = job.problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
-    # ZeRO-3's gathers and reduce-scatters counted exposed, as the published FSDP runs fit (FSDP_OVERLAP); ZeRO-1
-    # and 2 hide half their gradient reduction behind backward with overlap_comm, as DDP's buckets do
-    overlap = FSDP_OVERLAP if stage == 3 else 0.5 if overlap else 0.0
+    # overlap_comm: ZeRO-3's gathers and reduce-scatters half hidden, as the published FSDP runs fit (FSDP_OVERLAP);
+    # ZeRO-1 and 2 hide half their gradient reduction behind backward, as DDP's buckets do; without it, none
+    overlap = (FSDP_OVERLAP if stage == 3 else 0.5) if overlap else 0.0
     eager = not config.num_experts         # eager_traffic cannot route tokens: a mixture of experts timed fused
     if eager:
         conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused "

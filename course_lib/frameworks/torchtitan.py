@@ -210,8 +210,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if zero_stage == 3:
         conventions.append("FSDP2 keeps fp32 shards (4 + 4 + 8 bytes per parameter); counted as mixed-precision "
                            "Adam (2 + 2 + 12): the same 16 bytes per parameter, all sharded"
-                           + ("; gradients reduced in fp32: the report shows both dp byte counts" if dtype == "bf16"
-                              and reduce == "float32" else ""))
+                           + ("; gradients reduced in fp32 (mixed_precision_reduce): the report shows both dp byte "
+                              "counts, and the step time counts these" if dtype == "bf16" and reduce == "float32"
+                              else ""))
     elementwise_ops = _elementwise_ops(toml, mesh.tp, conventions)
     if mesh.pp > 1:
         conventions.append("the layers split evenly over the stages (torchtitan's default gives the first and the "
@@ -224,13 +225,13 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     problems = job.problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
-    fp32_reduce = zero_stage == 3 and dtype == "bf16" and reduce == "float32"   # FSDP2's MixedPrecisionPolicy
     return ReadConfig("torchtitan", where, job, f"{name} {flavour}", conventions, not_modelled, unknown,
                       functools.partial(spell, global_batch_size=global_batch if explicit else None),
-                      grad_reduce_bytes=4 if fp32_reduce else None,
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       assumptions=dict(
-                          dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic counted exposed, as its published runs fit
+                          dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic half hidden, as its published runs fit
+                          # FSDP2's MixedPrecisionPolicy reduce_dtype, for this job and the FSDP layouts it suggests
+                          grad_reduce_bytes=4 if reduce == "float32" else None,
                           elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
                           rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY))
 

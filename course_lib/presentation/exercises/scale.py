@@ -37,8 +37,8 @@ CONFIG = preset("llama2-70b")
 NUM_GPUS, GPUS_PER_NODE, GPU = 64, 8, "H100 SXM"    # 8 nodes of 8 H100 SXM, 80 GiB each
 SEQ_LEN, GLOBAL_BATCH = 4096, 512                    # 2M tokens a step
 TARGET_MFU = 0.42
-DP_OVERLAP = 0.5     # half the DP traffic hidden, as the planner hides DDP's and ZeRO-1/2's buckets (recipes.
-                     # DDP_OVERLAP); a ZeRO-3 answer too, more leniently than the planner's FSDP_OVERLAP (none)
+DP_OVERLAP = 0.5     # half the DP traffic hidden, as the planner hides it (recipes.framework_overlap: DDP's and
+                     # ZeRO-1/2's buckets, ZeRO-3's gathers and reduce-scatters alike)
 KEYS = ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "sequence_parallel", "recompute")
 
 HINTS = {   # the largest loss of a step that fits → what to change
