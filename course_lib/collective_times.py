@@ -10,8 +10,9 @@ their sources, are cost.py's part 2 (tp_s and dp_s).
                 measured it (hardware.collective_link: gloo's reduce-scatter costs more per byte than its
                 all-reduce)
     tp        = a layer's all-reduces (or, with sequence parallelism, reduce-scatter + all-gather pairs) as
-                tensor_parallel.tp_step_traffic counts them, less the backward's two × tp_overlap, each up to
-                the weight-gradient GEMMs of its column-parallel block (attention's q, k, v; the MLP's gate, up)
+                tensor_parallel.tp_step_traffic counts them, less the backward's two reductions (with sequence
+                parallelism their reduce-scatters) × tp_overlap, each up to the weight-gradient GEMMs of its
+                column-parallel block (attention's q, k, v; the MLP's gate, up)
     dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
                 embedding, the head) paying each call's latency, as many calls as the ZeRO stage makes; then
                 min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
@@ -43,16 +44,28 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
     nodes = spread(t, t, job.gpus_per_node)[1]
-    one = sum(collective_latency(hw, link, op, t, nodes)
-              + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
-              for op in ops)
-    # The backward's two reductions are the input gradients of the two column-parallel blocks, each issued
-    # before that block's own weight-gradient GEMMs and waited for after them (Megatron-LM's
+    seconds = {op: collective_latency(hw, link, op, t, nodes)
+               + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
+               for op in ops}
+    # The backward's reductions are the input gradients of the two column-parallel blocks, each issued before that
+    # block's own weight-gradient GEMMs and waited for after them (Megatron-LM's
     # LinearWithGradAccumulationAndAsyncCommunication, Transformer Engine's Linear: "overlap dgrad-RS/AR with
-    # wgrad"): attention's behind q, k and v's, the MLP's behind gate and up's. One GEMM of each projection's
-    # kernels (forward, input gradient, weight gradient, + a rerun of the forward) is its weight gradient.
+    # wgrad"): attention's behind q, k and v's, the MLP's behind gate and up's. With sequence parallelism only the
+    # reduce-scatter is: the all-gather of the row-parallel layer's output gradient comes before its input
+    # gradient's GEMM. One GEMM of each projection's kernels (forward, input gradient, weight gradient, + a rerun
+    # of the forward) is its weight gradient.
+    hideable = seconds["reduce_scatter" if job.sequence_parallel else "all_reduce"]
     windows = [sum(op.seconds / op.kernels for op in layer_ops if op.name in names) for names in COLUMN_PARALLEL]
-    return per_layer * one - sum(min(tp_overlap * one, window) for window in windows)
+    return per_layer * sum(seconds.values()) - sum(min(tp_overlap * hideable, window) for window in windows)
+
+
+def reduced_bytes(op: str, nbytes: float, job: Job, grad_reduce_bytes: int | None) -> float:
+    """``nbytes`` of a data-parallel ``op`` (per_rank.data_parallel_traffic's, counted at job.grad_bytes for the
+    gradients) as the framework sends them: every reduction at ``grad_reduce_bytes`` a gradient element where
+    given (dp_seconds' docstring), the weights' all-gathers as they are."""
+    if op == "all_gather" or grad_reduce_bytes is None:
+        return nbytes
+    return nbytes * grad_reduce_bytes / job.grad_bytes
 
 
 def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_param_gather: bool = False,
@@ -67,7 +80,6 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
     link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
     if mesh.dp * mesh.cp == 1:
         return 0.0, 0.0, link_name
-    reduced = (grad_reduce_bytes or job.grad_bytes) / job.grad_bytes    # the gradients' bytes as reduced
     busiest = (0.0, 0.0)
     for stage in range(mesh.pp):
         gradient = weight = 0.0
@@ -77,11 +89,12 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
             for op, nbytes in group["ops"].items():
                 latency = collective_latency(hw, link, op, group["size"], nodes)
                 rate = collective_link(hw, link, op).bytes_per_s
-                calls = calls_per_step(job, op, group) * units_reduced(job, stage)
+                seconds = (calls_per_step(job, op, group) * units_reduced(job, stage) * latency
+                           + reduced_bytes(op, nbytes, job, grad_reduce_bytes) / rate)
                 if op == "all_gather":                                # the weights
-                    weight += calls * latency + nbytes / rate
+                    weight += seconds
                 else:                                                 # the gradients
-                    gradient += calls * latency + nbytes * reduced / rate
+                    gradient += seconds
         if gradient + weight > sum(busiest):
             busiest = (gradient, weight)
     gradient, weight = busiest

@@ -57,9 +57,10 @@ last stage also runs the final norm, the head and the loss):
              full recomputation (torch's non-reentrant checkpoint stops at the last saved tensor, so the
              MLP's all-reduce is not rerun; Megatron-LM's full recomputation reruns the whole forward: 6).
              Sequence parallelism turns each into a reduce-scatter + an all-gather: the same bytes, two α.
-             hidden = the backward half, × tp_overlap, each up to its block's weight-gradient GEMMs (Megatron
-             runs a column-parallel layer's input-gradient all-reduce beside its dW GEMM: Korthikanti et al.
-             2022, 5; collective_times). NVLink if the TP group fits in a node.
+             hidden = the backward's two all-reduces (with SP, their reduce-scatters), × tp_overlap, each up to
+             its block's weight-gradient GEMMs (Megatron runs a column-parallel layer's input-gradient reduction
+             beside its dW GEMM: Korthikanti et al. 2022, 5; collective_times). NVLink if the TP group fits in a
+             node.
   pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
              per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
              (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds

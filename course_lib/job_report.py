@@ -29,6 +29,7 @@ import itertools
 import json
 import sys
 
+from .collective_times import reduced_bytes
 from .cost import step_time
 from .frameworks import ConfigError, ReadConfig, read_config
 from .hardware import GPUS, find_gpu
@@ -193,7 +194,7 @@ def framework_dp_bytes(read: ReadConfig, stage: int) -> float | None:
     if reduce_bytes in (None, job.grad_bytes):
         return None
     ops = data_parallel_bytes_per_step(job, stage)
-    return sum(nbytes * (1 if op == "all_gather" else reduce_bytes / job.grad_bytes) for op, nbytes in ops.items())
+    return sum(reduced_bytes(op, nbytes, job, reduce_bytes) for op, nbytes in ops.items())
 
 
 def _overlap_text(step: dict, sent_bytes: dict) -> str:

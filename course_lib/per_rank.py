@@ -171,6 +171,8 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
                                  "inside each replica (zero_stage=3)")
             ops = hsdp_wire_bytes_per_step(count * grad_bytes, group, replicas, accumulation_steps)
+            ops["all_gather"] = hsdp_wire_bytes_per_step(count * job.bytes_per_element, group, replicas,
+                                                         accumulation_steps)["all_gather"]      # the weights
             across = ops.pop("all_reduce")
             traffic += [{"group": "dp_shard_cp", "size": group, "span": replica_span, "ops": ops},
                         {"group": "dp_replicate", "size": replicas, "span": mesh.dp * mesh.cp * mesh.tp,

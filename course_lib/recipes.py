@@ -285,7 +285,9 @@ def framework_overlap(zero_stage: int) -> float:
     """The share of the DP traffic hidden behind compute as the frameworks schedule it: ZeRO-3's (FSDP's) gathers
     and reduce-scatters as the published FSDP runs fit (published.FSDP_OVERLAP: half); DDP's and ZeRO-1/2's
     gradient buckets half hidden behind backward (DDP_OVERLAP, an assumption). Both a half, from different
-    evidence."""
+    evidence. The planner's recipes reduce the gradients their convention keeps (16-bit under "mixed"); frameworks
+    that reduce them in fp32 (torchtitan's FSDP2, Composer's "DEFAULT") send a third more on FSDP, which their
+    readers and the published rows count (cost.step_time's grad_reduce_bytes)."""
     return FSDP_OVERLAP if zero_stage == 3 else DDP_OVERLAP
 
 

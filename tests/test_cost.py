@@ -3,6 +3,7 @@ formulas it must equal, the 6ND rule beside it, every term of step_time by hand,
 MFU against published training runs."""
 
 import dataclasses
+import inspect
 import itertools
 import json
 
@@ -14,8 +15,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import REPO, costed
-from course_lib.collective_times import tp_seconds_per_layer
-from course_lib.cost import flops_per_step, forward_terms, six_nd
+from course_lib.collective_times import collective_latency, reduced_bytes, tp_seconds_per_layer
+from course_lib.comm import wire_bytes
+from course_lib.cost import ASSUMPTIONS, flops_per_step, forward_terms, six_nd, step_time
 from course_lib.hardware import (
     GPU,
     GPUS,
@@ -23,16 +25,20 @@ from course_lib.hardware import (
     KERNEL_LAUNCH_S,
     LINKS,
     Link,
+    collective_link,
     find_gpu,
     fit_matmul_curve,
+    link_for,
     matmul_rate,
 )
 from course_lib.job import Job
 from course_lib.kernel_times import STREAM_SHARE, attention_rate, layer_operations
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
+from course_lib.per_rank import data_parallel_traffic
 from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
 from course_lib.roofline import roofline
+from course_lib.tensor_parallel import tp_step_traffic
 
 BATCH, SEQ = 2, 16
 
@@ -335,6 +341,41 @@ def test_tp_reductions_hide_behind_their_own_blocks_weight_gradients():
     assert exposed - tp_seconds_per_layer(job, hw, ops, tp_overlap=1.0) == pytest.approx(attention + one, rel=1e-12)
     assert exposed - tp_seconds_per_layer(job, hw, ops, tp_overlap=0.5) == pytest.approx(
         min(one / 2, attention) + one / 2, rel=1e-12)
+    # sequence parallelism: each all-reduce is a reduce-scatter + an all-gather, and only the reduce-scatter of the
+    # input gradient runs beside the weight gradient (the row layer's all-gather comes before its input gradient)
+    sp_job = job.replace(sequence_parallel=True)
+    sp_ops = layer_operations(config, hw, micro_batch_size=1, seq_len=4096, tp=8, sequence_parallel=True,
+                              bytes_per_element=2)
+    payload = tp_step_traffic(config, 1, 4096, 8, 2)["payload_bytes_each"]
+    link = hw.nvlink
+    rate = collective_link(hw, link, "reduce_scatter").bytes_per_s
+    reduce_scatter = collective_latency(hw, link, "reduce_scatter", 8, 1) + wire_bytes("reduce_scatter", payload, 8) / rate
+    sp_exposed = tp_seconds_per_layer(sp_job, hw, sp_ops, tp_overlap=0.0)
+    assert sp_exposed - tp_seconds_per_layer(sp_job, hw, sp_ops, tp_overlap=1.0) == pytest.approx(
+        min(reduce_scatter, attention) + min(reduce_scatter, mlp), rel=1e-12)
+    assert reduce_scatter < sp_exposed / 4                     # an all-gather besides, which stays exposed
+
+
+def test_gradients_reduced_in_the_frameworks_bytes():
+    """step_time's grad_reduce_bytes (FSDP2's reduce_dtype, Composer's 'DEFAULT': 16-bit gradients reduced in fp32)
+    scales every gradient reduction and never the weights' all-gathers; at the job's own gradient bytes it changes
+    nothing; any other size is refused. cost.ASSUMPTIONS names step_time's keywords, each one."""
+    config, kw = preset("llama2-7b"), dict(gpu="A100 80GB", seq_len=4096, micro_batch_size=1, num_microbatches=4)
+    job = Job(config, Mesh(dp=16), zero_stage=3, **kw)
+    assert reduced_bytes("all_gather", 1e9, job, 4) == 1e9 and reduced_bytes("reduce_scatter", 1e9, job, 4) == 2e9
+    assert reduced_bytes("all_reduce", 1e9, job, None) == 1e9
+    plain, same, fp32 = (step_time(job, grad_reduce_bytes=b) for b in (None, 2, 4))
+    assert plain == same
+    # fp32 reductions of 16-bit gradients: each reduce-scatter's bytes once more, at its link's rate; no gather's
+    hw = GPUS["A100 80GB"]
+    extra = sum(nbytes / collective_link(hw, link_for(group["span"], 8, hw, group["size"]), op).bytes_per_s
+                for group in data_parallel_traffic(job, 0) for op, nbytes in group["ops"].items() if op != "all_gather")
+    assert fp32.dp_comm_s - plain.dp_comm_s == pytest.approx(extra, rel=1e-12) and extra > 0
+    with pytest.raises(ValueError, match="grad_reduce_bytes=3: None"):
+        step_time(job, grad_reduce_bytes=3)
+    keywords = [name for name, parameter in inspect.signature(step_time).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert tuple(keywords) == ASSUMPTIONS
 
 def test_asynchronous_sends_cost_only_the_hops_on_the_schedules_chain():
     """pipeline_sends="async" (the course's executor: a stage waits for its input, never for its own sends).

@@ -74,6 +74,12 @@ def test_the_formula_is_zero3_inside_and_an_all_reduce_of_a_shard_across():
     assert (inside["group"], inside["size"], inside["span"]) == ("dp_shard_cp", 4, 8)
     assert (across["group"], across["size"], across["span"]) == ("dp_replicate", 2, 16)
     assert {**inside["ops"], **across["ops"]} == hsdp_wire_bytes_per_step(2 * params, 4, 2, accumulation_steps=3)
+    # fp32 gradients (Megatron's convention): the reductions move 4 bytes an element, the weights' gathers still 2
+    fp32_grads = Job(TINY, mesh, zero_stage=3, num_microbatches=3, dtype="bf16", convention="bf16+fp32 grads")
+    inside32, across32 = data_parallel_traffic(fp32_grads, 0)
+    assert inside32["ops"]["all_gather"] == inside["ops"]["all_gather"]
+    assert (inside32["ops"]["reduce_scatter"], across32["ops"]["all_reduce"]) == (
+        2 * inside["ops"]["reduce_scatter"], 2 * across["ops"]["all_reduce"])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ class ConfigError(ValueError):
     """A configuration that cannot be a run: one line naming the values and the rule it breaks."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReadConfig:
     framework: str                 # "torchtitan", "megatron", "deepspeed"
     path: str

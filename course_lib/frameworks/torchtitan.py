@@ -213,6 +213,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                            + ("; gradients reduced in fp32 (mixed_precision_reduce): the report shows both dp byte "
                               "counts, and the step time counts these" if dtype == "bf16" and reduce == "float32"
                               else ""))
+    elif mesh.dp > 1 and dtype == "bf16":
+        conventions.append("DDP under autocast: torchtitan keeps fp32 parameters, so its gradients are fp32 and "
+                           "reduced in fp32; counted as mixed-precision state, the step time counts the fp32 bytes")
     elementwise_ops = _elementwise_ops(toml, mesh.tp, conventions)
     if mesh.pp > 1:
         conventions.append("the layers split evenly over the stages (torchtitan's default gives the first and the "
@@ -230,7 +233,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       assumptions=dict(
                           dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic half hidden, as its published runs fit
-                          # FSDP2's MixedPrecisionPolicy reduce_dtype, for this job and the FSDP layouts it suggests
+                          # fp32 reductions: FSDP2's reduce_dtype (mixed_precision_reduce, float32 in torchtitan's
+                          # config), for this job and the FSDP layouts it suggests; its DDP keeps fp32 parameters
+                          # under autocast, so reduces fp32 gradients too
                           grad_reduce_bytes=4 if reduce == "float32" else None,
                           elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
                           rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY))
