@@ -54,6 +54,12 @@ on 2026-12-05 (six rounds, each 60 calls of a 2-element all-reduce after 2 ms of
 all-reduces a step): it lowers the price by 8-14% (5.2-8.9 ms against 5.6-9.7), where the run's own median moved
 from 4.7 to 13.3 ms between rounds a minute apart (single steps 2.2 to 39 ms). The noise is the machine's, not the
 estimator's: n × the mean stays.
+Two causes of the 10× wider runs' shortfall, measured on 2026-12-05 (2 ranks, each op after a segment of 256²
+matmuls): the ranks' skew is small, the slower of the two took 0.5-2% above their mean over segments of 2 to 40 ms,
+not the wide runs' 5-14%; a collective slows with the compute before it, a 1.3 MB all-reduce (the wide TP run's)
+taking 1.7-2.4 ms back to back, 2.2-3.4 after 2 or 10 ms of matmuls and 3.5-4.3 after 40 ms, where the calibration
+times each call after 2 ms: the wide TP run's all-reduces follow 10-40 ms of GEMMs, and came out priced at 0.64-0.65
+of what they took. Pricing each call by the compute before it is the next step; it is not taken.
 """
 
 import time

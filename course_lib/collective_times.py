@@ -52,8 +52,9 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     # LinearWithGradAccumulationAndAsyncCommunication, Transformer Engine's Linear: "overlap dgrad-RS/AR with
     # wgrad"): attention's behind q, k and v's, the MLP's behind gate and up's. With sequence parallelism only the
     # reduce-scatter is: the all-gather of the row-parallel layer's output gradient comes before its input
-    # gradient's GEMM. One GEMM of each projection's kernels (forward, input gradient, weight gradient, + a rerun
-    # of the forward) is its weight gradient.
+    # gradient's GEMM (Megatron also gathers the column layer's input again there, behind the input gradient's
+    # GEMM: tp_step_traffic does not count it). One GEMM of each projection's kernels (forward, input gradient,
+    # weight gradient, + a rerun of the forward) is its weight gradient.
     hideable = seconds["reduce_scatter" if job.sequence_parallel else "all_reduce"]
     windows = [sum(op.seconds / op.kernels for op in layer_ops if op.name in names) for names in COLUMN_PARALLEL]
     return per_layer * sum(seconds.values()) - sum(min(tp_overlap * hideable, window) for window in windows)

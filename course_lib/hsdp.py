@@ -8,7 +8,8 @@ holds the same shard, and the R of them average its gradients with one all-reduc
 
     per rank, state       (w + g + o) · P / S            (ZeRO-3 over N would hold P / N; DDP holds P)
     per rank, per step    inside the replica: all-gather 2A · Ψ(S-1)/S, reduce-scatter A · Ψ(S-1)/S
-                          across replicas:    all-reduce 2(R-1)/R · Ψ/S         (Ψ = bytes of all the gradients)
+                          across replicas:    all-reduce 2(R-1)/R · Ψ/S         (Ψ = bytes of all the gradients;
+                          the gathers move the weights' bytes, the same where weights and gradients share a dtype)
 
 With R = 1 it is ZeRO-3; with S = 1, DDP (each rank's shard is the whole model). The gathers, 2A of the 3A+ terms,
 stay on the fast links; what crosses nodes is 2(R-1)/R · Ψ/S, S times less than DDP's all-reduce. torch's

@@ -123,7 +123,8 @@ def narayanan_run(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, pe
 KORTHIKANTI = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
                "(arXiv:2205.05198), Tables 3 and 5 (the same MFU and HFU in Megatron-LM's README): A100 80GB, "
                "sequence 2,048, vocabulary 51,200, no data parallelism, sequence parallelism + selective "
-               "recomputation; section 5: the backward all-reduce overlaps the weight-gradient GEMM")
+               "recomputation; section 5: the backward's reduction (with SP, its reduce-scatter) overlaps the "
+               "weight-gradient GEMM")
 KORTHIKANTI_ASSUMED = ("Megatron's unfused attention with dropout; their HFU uses eq. (8), s/3h, twice the "
                        "attention core their text says selective recomputes: ours follows the text, so compare "
                        "the MFU; pipeline sends not overlapped")

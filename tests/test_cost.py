@@ -353,7 +353,6 @@ def test_tp_reductions_hide_behind_their_own_blocks_weight_gradients():
     sp_exposed = tp_seconds_per_layer(sp_job, hw, sp_ops, tp_overlap=0.0)
     assert sp_exposed - tp_seconds_per_layer(sp_job, hw, sp_ops, tp_overlap=1.0) == pytest.approx(
         min(reduce_scatter, attention) + min(reduce_scatter, mlp), rel=1e-12)
-    assert reduce_scatter < sp_exposed / 4                     # an all-gather besides, which stays exposed
 
 
 def test_gradients_reduced_in_the_frameworks_bytes():

@@ -127,6 +127,20 @@ def test_torchtitan_memory_bound_ops_as_the_file_runs_them(tmp_path, model, rest
     assert any(("op by op" in line) == (ops != "fused") for line in read.conventions)
 
 
+def test_torchtitan_reduces_fp32_gradients_under_fsdp2_and_ddp(tmp_path):
+    """torchtitan's FSDP2 reduces 16-bit gradients in fp32 (mixed_precision_reduce, its default); its DDP keeps fp32
+    parameters under autocast, so its gradients are fp32 whatever that key says: the step time counts 4 bytes a
+    gradient element for both, and the report gives the framework's byte count beside the course's."""
+    for parallelism, stage in (("data_parallel_shard_degree = 8", 3),
+                               ("data_parallel_replicate_degree = 8\ndata_parallel_shard_degree = 1", 0)):
+        ddp_key = '[training]\nmixed_precision_reduce = "bfloat16"\n' if stage == 0 else ""   # FSDP2's key only
+        (tmp_path / "t.toml").write_text(f'[model]\nflavor = "8B"\n[parallelism]\n{parallelism}\n{ddp_key}')
+        read = read_config(tmp_path / "t.toml", num_gpus=8)
+        assert (read.job.zero_stage, read.job.dtype, read.assumptions["grad_reduce_bytes"]) == (stage, "bf16", 4)
+        report = job_report(read, alternatives=False)
+        assert report["framework_dp_bytes"] > report["sent_bytes"]["dp"]
+        assert report["step"]["seconds"] == pytest.approx(step_time(read.job, **read.assumptions).total_s, rel=1e-12)
+
 @pytest.mark.parametrize("text, match", [
     ('[compile]\nenable = "false"\n', "a true or false"),
     ('[model]\nflavor = "8B"\nnorm_type = "foo"\n', "norm_type = 'foo': one of rmsnorm")])

@@ -213,7 +213,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                            + ("; gradients reduced in fp32 (mixed_precision_reduce): the report shows both dp byte "
                               "counts, and the step time counts these" if dtype == "bf16" and reduce == "float32"
                               else ""))
-    elif mesh.dp > 1 and dtype == "bf16":
+    ddp_fp32_grads = zero_stage != 3 and mesh.dp > 1 and dtype == "bf16"
+    if ddp_fp32_grads:
         conventions.append("DDP under autocast: torchtitan keeps fp32 parameters, so its gradients are fp32 and "
                            "reduced in fp32; counted as mixed-precision state, the step time counts the fp32 bytes")
     elementwise_ops = _elementwise_ops(toml, mesh.tp, conventions)
@@ -234,9 +235,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       assumptions=dict(
                           dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic half hidden, as its published runs fit
                           # fp32 reductions: FSDP2's reduce_dtype (mixed_precision_reduce, float32 in torchtitan's
-                          # config), for this job and the FSDP layouts it suggests; its DDP keeps fp32 parameters
-                          # under autocast, so reduces fp32 gradients too
-                          grad_reduce_bytes=4 if reduce == "float32" else None,
+                          # config), for this job and the FSDP layouts it suggests; its DDP's fp32 gradients
+                          grad_reduce_bytes=4 if reduce == "float32" or ddp_fp32_grads else None,
                           elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
                           rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY))
 
