@@ -218,7 +218,9 @@ def bottleneck(memory: dict, time, job: Job) -> str:
         return (f"compute: {time.compute_s / time.total_s:.0%} of the step is arithmetic; nothing else takes "
                 f"{OVERHEAD_SHARE:.0%}")
     why = {"bubble": f"pp {job.mesh.pp} over {job.num_microbatches} micro-batches of v = {job.num_chunks}",
-           "dp": "the data-parallel traffic left exposed", "tp": "the tensor-parallel all-reduces of every layer",
+           "dp": "the data-parallel traffic left exposed",
+           "tp": "the tensor-parallel " + ("reduce-scatters and all-gathers" if job.sequence_parallel else "all-reduces")
+                 + " of every layer",
            "pp": "the stage-to-stage sends", "optimizer": "the optimizer's step, memory-bound",
            "overhead": "the framework's per-step work"}[largest]
     return f"{largest}: {share:.0%} of the step ({why})"

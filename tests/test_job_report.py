@@ -178,6 +178,8 @@ def test_reports_read_their_files(reports):
 def test_better_layouts_are_faster_and_written_in_the_files_keys(reports):
     read, report = reports["llama3_8b_tp8.toml"]
     assert report["better"][0]["recipe"] == "ZeRO-3 / FSDP"     # TP over 8 GPUs for an 8B model: FSDP is faster
+    assert read.job.sequence_parallel and report["bottleneck"].startswith("tp: ")    # TP 8 with torchtitan's SP
+    assert report["bottleneck"].endswith("(the tensor-parallel reduce-scatters and all-gathers of every layer)")
     assert "[parallelism] tensor_parallel_degree = 1" in report["better"][0]["change"]
     for alternative in report["better"]:
         assert alternative["speedup"] > 1.11 and alternative["memory"] <= report["memory"]["card"]
