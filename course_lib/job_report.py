@@ -171,6 +171,8 @@ def framework_state(read: ReadConfig, stage: int) -> dict | None:
     shards = job.mesh.dp_shard * job.mesh.cp
     zero = job.zero
     if read.framework == "megatron":
+        if job.state_convention == "mixed":
+            return None                   # --grad-reduce-in-bf16: bf16 gradients, a row the table does not have
         whole, sharded = MEGATRON_TABLE[job.dtype, zero]
         return {"source": f"Megatron-LM's distributed-optimizer table: {whole}"
                           + (f" + {sharded}/d" if sharded else "") + " bytes per parameter",

@@ -20,7 +20,7 @@ from course_lib.job_report import (
 )
 from course_lib.mesh import Mesh
 from course_lib.model import preset
-from course_lib.per_rank import params_per_rank
+from course_lib.per_rank import data_parallel_bytes_per_step, params_per_rank
 from course_lib.published import FSDP_OVERLAP
 from course_lib.virtual import run_rank
 
@@ -424,6 +424,28 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
                                               "asserts"):
             read_config(bad, num_gpus=8)
 
+
+def test_megatrons_bf16_gradient_reduction_is_read(tmp_path):
+    """--grad-reduce-in-bf16: Megatron keeps bf16 gradient buffers and reduces them in bf16 (arguments.py turns
+    accumulate_allreduce_grads_in_fp32 off), so the state is mixed-precision Adam's 16 bytes per parameter, not the
+    18 of fp32 gradients, the data-parallel reductions move half the bytes, and the distributed-optimizer table,
+    which has no such row, is not quoted. Without --bf16 Megatron ignores it, and the report says so."""
+    script = SMALL_MEGATRON.replace(" --overlap-param-gather", "")
+    (tmp_path / "fp32.sh").write_text(script)
+    (tmp_path / "bf16.sh").write_text(script + " --grad-reduce-in-bf16")
+    fp32, bf16 = (read_config(tmp_path / name, num_gpus=8) for name in ("fp32.sh", "bf16.sh"))
+    assert (fp32.job.state_convention, bf16.job.state_convention) == ("bf16+fp32 grads", "mixed")
+    assert any(line.startswith("--grad-reduce-in-bf16: ") for line in bf16.conventions) and not bf16.unknown
+    sent = {name: data_parallel_bytes_per_step(read.job, 0) for name, read in (("fp32", fp32), ("bf16", bf16))}
+    assert sent["bf16"]["reduce_scatter"] == sent["fp32"]["reduce_scatter"] / 2
+    assert sent["bf16"]["all_gather"] == sent["fp32"]["all_gather"]                   # the bf16 weights, as before
+    report = job_report(bf16, alternatives=False)
+    assert report["memory"]["framework_state"] is None
+    assert job_report(fp32, alternatives=False)["memory"]["framework_state"]["bytes"] > report["memory"]["state"]
+    (tmp_path / "fp16.sh").write_text(script.replace("--bf16", "--fp16") + " --grad-reduce-in-bf16")
+    fp16 = read_config(tmp_path / "fp16.sh", num_gpus=8)
+    assert fp16.job.state_convention == "fp32 grad accumulation"
+    assert any("changes nothing" in line for line in fp16.conventions)
 
 def test_megatrons_tp_reductions_run_beside_the_weight_gradients(reports):
     """Megatron-LM always issues a column-parallel layer's input-gradient reduction before that layer's weight-gradient

@@ -47,7 +47,8 @@ WORDS = {"recompute-granularity", "recompute-method", "normalization", "position
 SWITCHES = {"sequence-parallel", "use-distributed-optimizer", "group-query-attention", "swiglu",
             "untie-embeddings-and-output-weights", "bf16", "fp16", "accumulate-allreduce-grads-in-fp32",
             "add-qkv-bias", "disable-bias-linear", "use-flash-attn", "overlap-grad-reduce", "overlap-param-gather",
-            "recompute-activations", "use-rotary-position-embeddings", "use-megatron-fsdp", "optimizer-cpu-offload"}
+            "recompute-activations", "use-rotary-position-embeddings", "use-megatron-fsdp", "optimizer-cpu-offload",
+            "grad-reduce-in-bf16"}
 # Flags that change nothing the report counts (optimizer settings, data, logging, checkpoints, the launcher).
 NO_EFFECT = {
     "lr", "min-lr", "lr-decay-style", "lr-decay-iters", "lr-decay-samples", "lr-warmup-iters", "lr-warmup-fraction",
@@ -192,6 +193,14 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     num_chunks = _chunks(args, config.num_layers, pp)
     precision = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
     convention = {"bf16": "bf16+fp32 grads", "fp16": "fp32 grad accumulation", "fp32": "fp32"}[precision]
+    if args.get("grad-reduce-in-bf16") and precision == "bf16":
+        convention = "mixed"     # arguments.py turns accumulate_allreduce_grads_in_fp32 off: bf16 gradient buffers
+        conventions.append("--grad-reduce-in-bf16: gradients accumulated and reduced in bf16, counted as "
+                           "mixed-precision state (2 + 2 + 12 bytes per parameter); Megatron's distributed-optimizer "
+                           "table has no row for it")
+    elif args.get("grad-reduce-in-bf16"):
+        conventions.append(f"--grad-reduce-in-bf16 with {precision}: Megatron-LM's arguments.py reads it only for "
+                           "bf16 training, so it changes nothing")
     zero_stage = 1 if args.get("use-distributed-optimizer") else 0
     overlap_param_gather = bool(args.get("overlap-param-gather"))
     if overlap_param_gather:
