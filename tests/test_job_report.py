@@ -3,6 +3,7 @@ of each framework read and reported, its memory the virtual run's measured bytes
 own formula; the same layout in three dialects; every bad input one line and exit code 2."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -424,6 +425,27 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
                                               "asserts"):
             read_config(bad, num_gpus=8)
 
+
+def test_deepspeeds_communication_data_type_is_read(tmp_path):
+    """DeepSpeed reduces gradients in the training dtype unless communication_data_type names another (its
+    config.py and engine): 'fp32' under bf16 makes the step's reductions 4 bytes an element, which the report
+    counts; the training dtype's own name changes nothing; any other value is refused, naming DeepSpeed's three."""
+    config = json.loads((EXAMPLES / "zero3_llama2_7b.json").read_text())
+    reads = {}
+    for name, value in (("default", None), ("fp32", "fp32"), ("same", "BF16")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config | ({} if value is None else {"communication_data_type": value})))
+        reads[name] = read_config(path, num_gpus=8, seq_len=4096, model=str(HF / "llama-2-7b.json"))
+    assert reads["default"].job.dtype == "bf16" and not reads["fp32"].unknown
+    assert [reads[name].assumptions["grad_reduce_bytes"] for name in reads] == [None, 4, None]
+    assert any(line.startswith("communication_data_type = 'fp32'") for line in reads["fp32"].conventions)
+    steps = {name: step_time(read.job, **read.assumptions) for name, read in reads.items()}
+    assert steps["default"] == steps["same"] and steps["fp32"].dp_comm_s > steps["default"].dp_comm_s
+    report = job_report(reads["fp32"], alternatives=False)
+    assert report["framework_dp_bytes"] > report["sent_bytes"]["dp"]
+    (tmp_path / "bad.json").write_text(json.dumps(config | {"communication_data_type": "fp8"}))
+    with pytest.raises(ConfigError, match="communication_data_type = 'fp8': DeepSpeed takes 'fp32', 'fp16' or 'bf16'"):
+        read_config(tmp_path / "bad.json", num_gpus=8, seq_len=4096, model=str(HF / "llama-2-7b.json"))
 
 def test_megatrons_bf16_gradient_reduction_is_read(tmp_path):
     """--grad-reduce-in-bf16: Megatron keeps bf16 gradient buffers and reduces them in bf16 (arguments.py turns

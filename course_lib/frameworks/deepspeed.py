@@ -16,6 +16,8 @@ DeepSpeed's conventions, and how the course counts them:
 * DeepSpeed sets the pipeline's degree in code (``PipelineModule(num_stages=...)``); this reader takes it from a
   ``pipeline`` section's ``stages``, the way to tell it here.
 * ``"auto"`` is a value Hugging Face's Trainer fills from its own arguments: the report needs the number.
+* Gradients are reduced in the training dtype (the engine's ``communication_data_type`` default), or in the
+  ``communication_data_type`` the config names: the step time counts those bytes.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from .common import ConfigError, ReadConfig, nearest, whole
 from .huggingface import load_model
 
 READ = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-        "bf16", "bfloat16", "fp16", "activation_checkpointing", "pipeline", "tensor_parallel", "sequence_parallel_size"}
+        "bf16", "bfloat16", "fp16", "activation_checkpointing", "pipeline", "tensor_parallel", "sequence_parallel_size",
+        "communication_data_type"}
 NO_EFFECT = {"optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
              "prescale_gradients", "gradient_predivide_factor", "tensorboard", "wandb", "csv_monitor",
              "flops_profiler", "comms_logger", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-             "dump_state", "memory_breakdown", "data_types", "communication_data_type", "seed", "checkpoint",
+             "dump_state", "memory_breakdown", "data_types", "seed", "checkpoint",
              "aio", "elasticity"}
 ZERO_READ = {"stage", "overlap_comm", "offload_optimizer", "offload_param"}
 ZERO_NO_EFFECT = {"contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "allgather_partitions",
@@ -145,8 +148,13 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                           "at most beside a pipeline (stages 2 and 3 would reduce every micro-batch)")
     micro, accumulation, dp = _batch(ds, num_gpus, tp * pp)
     precision = "bf16" if _enabled(ds, "bf16", "bfloat16") else "fp16" if _enabled(ds, "fp16") else "fp32"
+    reduce_bytes = _communication_bytes(ds.get("communication_data_type"), precision)
     conventions = ["the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes per parameter"
                    if precision != "fp32" else "fp32 Adam: 4 + 4 + 8 bytes per parameter"]
+    if reduce_bytes:
+        conventions.append(f"communication_data_type = {ds['communication_data_type']!r}: gradients reduced in "
+                           f"{8 * reduce_bytes}-bit floats (DeepSpeed's default: the training dtype); the step time "
+                           "counts those bytes")
     if seq_len is None:
         raise ConfigError("give the sequence length (--seq-len S): a DeepSpeed config does not hold it (the data "
                           f"pipeline does; the model allows up to {config.max_seq_len:,} tokens)")
@@ -176,7 +184,18 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                             "adds timed as fused kernels (the eager count cannot route tokens), a lower bound")
     return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
                       assumptions=dict(dp_overlap=overlap, elementwise_ops="eager" if eager else "fused",
-                                       rotary="rotate_half" if eager else "model.py"))
+                                       rotary="rotate_half" if eager else "model.py", grad_reduce_bytes=reduce_bytes))
+
+
+def _communication_bytes(value, precision: str) -> int | None:
+    """Bytes per gradient element DeepSpeed reduces in, where ``communication_data_type`` makes them other than the
+    training dtype's (its engine's default): None where they are the same."""
+    if value is None:
+        return None
+    names = {"fp32": 4, "fp16": 2, "bf16": 2, "bfp16": 2}      # config.py's get_communication_data_type (bfp16: older)
+    if not isinstance(value, str) or value.lower() not in names:
+        raise ConfigError(f"communication_data_type = {value!r}: DeepSpeed takes 'fp32', 'fp16' or 'bf16'")
+    return None if names[value.lower()] == {"fp32": 4}.get(precision, 2) else names[value.lower()]
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:
