@@ -26,7 +26,7 @@ import json
 
 from ..job import Job
 from ..mesh import Mesh
-from ..published import FSDP_OVERLAP
+from ..recipes import framework_overlap
 from .common import ConfigError, ReadConfig, nearest, whole
 from .huggingface import load_model
 
@@ -170,9 +170,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     problems = job.problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
-    # overlap_comm: ZeRO-3's gathers and reduce-scatters half hidden, as the published FSDP runs fit (FSDP_OVERLAP);
-    # ZeRO-1 and 2 hide half their gradient reduction behind backward, as DDP's buckets do; without it, none
-    overlap = (FSDP_OVERLAP if stage == 3 else 0.5) if overlap else 0.0
+    # overlap_comm: as the frameworks schedule it (ZeRO-3's gathers and reduce-scatters as the published FSDP runs
+    # fit, ZeRO-1 and 2's gradient buckets as DDP's); without it, none hidden
+    overlap = framework_overlap(stage) if overlap else 0.0
     eager = not config.num_experts         # eager_traffic cannot route tokens: a mixture of experts timed fused
     if eager:
         conventions.append("the Hugging Face model in eager PyTorch, as it runs without torch.compile or fused "
@@ -195,7 +195,8 @@ def _communication_bytes(value, precision: str) -> int | None:
     names = {"fp32": 4, "fp16": 2, "bf16": 2, "bfp16": 2}      # config.py's get_communication_data_type (bfp16: older)
     if not isinstance(value, str) or value.lower() not in names:
         raise ConfigError(f"communication_data_type = {value!r}: DeepSpeed takes 'fp32', 'fp16' or 'bf16'")
-    return None if names[value.lower()] == {"fp32": 4}.get(precision, 2) else names[value.lower()]
+    reduced, trained = names[value.lower()], 4 if precision == "fp32" else 2
+    return None if reduced == trained else reduced
 
 
 def _batch(ds: dict, num_gpus: int | None, model_parallel: int) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ import shlex
 from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
+from ..recipes import DDP_OVERLAP
 from .common import ConfigError, ReadConfig, nearest, whole
 
 INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
@@ -241,7 +242,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
                       functools.partial(spell, virtual_stages=virtual_stages,
                                         overlap_param_gather=overlap_param_gather),
-                      assumptions=dict(dp_overlap=0.5 if args.get("overlap-grad-reduce") else 0.0,
+                      assumptions=dict(dp_overlap=DDP_OVERLAP if args.get("overlap-grad-reduce") else 0.0,
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
                                        elementwise_ops="fused"))   # its fused norm, SwiGLU and dropout-add kernels
 
