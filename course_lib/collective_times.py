@@ -1,7 +1,7 @@
-"""The collectives of one training step, priced: tensor parallelism's per layer and micro-batch, data
-parallelism's per step, each call at its latency plus its wire bytes over its link's bandwidth, then what hides
-behind compute. cost.step_time adds them to the kernels' time (course_lib.kernel_times); the formulas, with
-their sources, are cost.py's part 2 (tp_s and dp_s).
+"""The collectives of one training step, priced: tensor, context and expert parallelism's per layer and
+micro-batch, data parallelism's per step, each call at its latency plus its wire bytes over its link's bandwidth,
+then what hides behind compute. cost.step_time adds them to the kernels' time (course_lib.kernel_times); the
+formulas, with their sources, are cost.py's part 2 (tp_s, cp_s, ep_s and dp_s).
 
     one call  = latency(op, ranks, nodes) + wire bytes(op) / β(link, op)
     latency   = NCCL's ring model on a catalogue GPU (hardware.ring_latency: it grows with the ring), a
@@ -10,7 +10,8 @@ their sources, are cost.py's part 2 (tp_s and dp_s).
                 measured it (hardware.collective_link: gloo's reduce-scatter costs more per byte than its
                 all-reduce)
     tp        = a layer's all-reduces (or, with sequence parallelism, reduce-scatter + all-gather pairs) as
-                tensor_parallel.tp_step_traffic counts them, less the backward's two reductions (with sequence
+                tensor_parallel.tp_step_traffic counts them (full recomputation by a reentrant checkpoint: + the
+                one more it reruns), less the backward's two reductions (with sequence
                 parallelism their reduce-scatters) × tp_overlap, each up to the weight-gradient GEMMs of its
                 column-parallel block (attention's q, k, v; the MLP's gate, up)
     dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
@@ -18,31 +19,46 @@ their sources, are cost.py's part 2 (tp_s and dp_s).
                 min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
                 behind backward, ZeRO-3's gathers behind compute, ZeRO-1's gather of the updated weights behind
                 the next step's first forward where the framework overlaps it (overlap_param_gather, pp = 1)
+    cp        = ring attention's hops of a layer (context_parallel.ring_attention_bytes), less what hides behind
+                the attention kernels × cp_overlap
+    ep        = a mixture of experts' 4 all-to-alls a layer (expert_parallel.all_to_all_bytes), not hidden
 """
 
 from __future__ import annotations
 
 from .comm import wire_bytes
+from .context_parallel import ring_attention_bytes
+from .expert_parallel import all_to_all_bytes
 from .hardware import GPU, collective_link, link_for, ring_latency, spread
 from .job import Job
 from .per_rank import data_parallel_traffic, layers_per_rank
 from .tensor_parallel import tp_step_traffic
 
 COLUMN_PARALLEL = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # kernel_times' names, by block
+ATTENTION_OPS = ("attention core", "attention scores QKᵀ", "softmax + dropout", "attention values AV")
 
 
-def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> float:
+def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float, checkpoint: str = "non-reentrant") -> float:
     """A layer's TP collectives for one micro-batch, as many as tensor_parallel.tp_step_traffic counts for the
-    job's recomputation, less the backward's share hidden behind the column-parallel blocks' weight-gradient
-    GEMMs (× tp_overlap, each reduction up to its own block's GEMMs)."""
+    job's recomputation and sequence parallelism (plus the reduction a reentrant checkpoint reruns too),
+    less the backward's share hidden behind the column-parallel blocks' weight-gradient GEMMs (× tp_overlap,
+    each reduction up to its own block's GEMMs)."""
     config, t = job.config, job.mesh.tp
     if t == 1:
         return 0.0
-    traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence, t, job.bytes_per_element,
-                              recompute=job.recompute)
-    per_layer = (traffic["forward_all_reduces"] + traffic["backward_all_reduces"]) / config.num_layers
-    link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
+    traffic = tp_step_traffic(config, job.micro_batch_size, job.tokens_per_sequence // job.mesh.cp, t,
+                              job.bytes_per_element, sequence_parallel=job.sequence_parallel, recompute=job.recompute)
+    reduction = "reduce_scatter" if job.sequence_parallel else "all_reduce"
     ops = ("reduce_scatter", "all_gather") if job.sequence_parallel else ("all_reduce",)
+    # 2 forward and 2 backward a layer, each op (the SP norms' weight gradients and the stack's two end gathers
+    # are left out: once a step coalesced, once a stage), + what the rerun forward runs again.
+    calls = {op: 4 + traffic["recompute_ops"].get(op, 0) / config.num_layers for op in ops}
+    if job.recompute == "full" and checkpoint == "reentrant":
+        # tp_step_traffic follows torch's non-reentrant checkpoint, which stops once down_proj's GEMM has saved its
+        # input; a reentrant one (Megatron-LM's CheckpointFunction, DeepSpeed's) reruns the whole forward, and with
+        # it down_proj's reduction.
+        calls[reduction] += 1
+    link = link_for(t, job.gpus_per_node, hw)     # across nodes: one NIC, not DP's rails (an open question)
     nodes = spread(t, t, job.gpus_per_node)[1]
     seconds = {op: collective_latency(hw, link, op, t, nodes)
                + wire_bytes(op, traffic["payload_bytes_each"], t) / collective_link(hw, link, op).bytes_per_s
@@ -55,9 +71,42 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float) -> flo
     # gradient's GEMM (Megatron also gathers the column layer's input again there, behind the input gradient's
     # GEMM: tp_step_traffic does not count it). One GEMM of each projection's kernels (forward, input gradient,
     # weight gradient, + a rerun of the forward) is its weight gradient.
-    hideable = seconds["reduce_scatter" if job.sequence_parallel else "all_reduce"]
     windows = [sum(op.seconds / op.kernels for op in layer_ops if op.name in names) for names in COLUMN_PARALLEL]
-    return per_layer * sum(seconds.values()) - sum(min(tp_overlap * hideable, window) for window in windows)
+    return (sum(calls[op] * seconds[op] for op in ops)
+            - sum(min(tp_overlap * seconds[reduction], window) for window in windows))
+
+
+def cp_seconds_per_layer(job: Job, hw: GPU, layer_ops, cp_overlap: float) -> float:
+    """A layer's ring attention traffic for one micro-batch (context_parallel.ring_attention_bytes: cp - 1 hops
+    of a K/V block forward; backward the K/V again and the dK/dV home, 2cp - 1 hops), each hop paying α on the
+    link its CP group spans, less what hides behind the attention kernels (× cp_overlap): a ring posts each hop
+    before its block's kernel and waits after it."""
+    config, cp, t = job.config, job.mesh.cp, job.mesh.tp
+    if cp == 1:
+        return 0.0
+    sent = ring_attention_bytes(job.micro_batch_size, config.num_kv_heads // t, job.tokens_per_sequence,
+                                config.head_dim, cp, job.torch_dtype)
+    link = collective_link(hw, link_for(cp * t, job.gpus_per_node, hw), "send")
+    seconds = (3 * cp - 2) * link.alpha_s + (sent["forward"] + sent["backward"]) / link.bytes_per_s
+    window = sum(op.seconds for op in layer_ops if op.name in ATTENTION_OPS)
+    return seconds - min(cp_overlap * seconds, window)
+
+
+def ep_seconds_per_layer(job: Job, hw: GPU) -> float:
+    """A mixture of experts' all-to-alls in a layer for one micro-batch: dispatch and combine forward, their
+    gradients backward (+ the forward's again when full recomputation reruns it), each sending the routed rows
+    as expert_parallel.all_to_all_bytes counts them at job.capacity_factor, or at 1 where None (dropless
+    frameworks send only the T·top_k rows routed, as a balanced router fills exactly capacity 1). Not hidden."""
+    config, ep, t = job.config, job.mesh.ep, job.mesh.tp
+    if ep == 1:
+        return 0.0
+    tokens = job.micro_batch_size * job.tokens_per_sequence // job.mesh.cp
+    nbytes = all_to_all_bytes(tokens, config.hidden, config.num_experts, config.top_k, job.capacity_factor or 1.0,
+                              ep, job.bytes_per_element)
+    link = link_for(ep * t, job.gpus_per_node, hw, ep)
+    call = (collective_latency(hw, link, "all_to_all", ep, spread(ep, ep * t, job.gpus_per_node)[1])
+            + nbytes / collective_link(hw, link, "all_to_all").bytes_per_s)
+    return (6 if job.recompute == "full" else 4) * call
 
 
 def reduced_bytes(op: str, nbytes: float, job: Job, grad_reduce_bytes: int | None) -> float:
@@ -78,9 +127,10 @@ def dp_seconds(job: Job, hw: GPU, compute: float, dp_overlap: float, overlap_par
     ``grad_reduce_bytes``: bytes per gradient element as the framework reduces them, where not job.grad_bytes
     (FSDP2's reduce_dtype, Composer's "DEFAULT" mixed precision: fp32 reductions of 16-bit gradients)."""
     mesh, m, zero = job.mesh, job.num_microbatches, job.zero
-    link_name = link_for(mesh.tp * mesh.dp * mesh.cp, job.gpus_per_node, hw).name
     if mesh.dp * mesh.cp == 1:
-        return 0.0, 0.0, link_name
+        return 0.0, 0.0, link_for(mesh.tp, job.gpus_per_node, hw).name
+    widest = max(data_parallel_traffic(job, 0), key=lambda group: group["span"])
+    link_name = link_for(widest["span"], job.gpus_per_node, hw, widest["size"]).name
     busiest = (0.0, 0.0)
     for stage in range(mesh.pp):
         gradient = weight = 0.0

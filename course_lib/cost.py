@@ -52,11 +52,13 @@ last stage also runs the final norm, the head and the loss):
              The head is whole on every TP rank (the course's apply_tp) or / t with vocab_parallel (Megatron's
              vocab-parallel head).
              ``compute_efficiency`` = e instead: the old flat model, F_stage / (e·P) (hardware FLOPs).
-  tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = all-reduces per layer as
-             tensor_parallel.tp_step_traffic counts what the course runs: 4 (2 forward, 2 backward), 5 with
-             full recomputation (torch's non-reentrant checkpoint stops at the last saved tensor, so the
-             MLP's all-reduce is not rerun; Megatron-LM's full recomputation reruns the whole forward: 6).
-             Sequence parallelism turns each into a reduce-scatter + an all-gather: the same bytes, two α.
+  tp_s      = m · L_stage · (n · (α + 2(t-1)/t · a/β) - hidden)   n = all-reduces per layer: 4 (2 forward,
+             2 backward), + those the rerun forward runs again (tensor_parallel.tp_step_traffic's count of what
+             the course runs): 1 with "op" or "full" (torch's non-reentrant checkpoint stops once down_proj's GEMM
+             has saved its input, before its reduction), 2 with "full" and checkpoint="reentrant" (Megatron-LM's
+             and DeepSpeed's rerun the whole forward). The kernels rerun down_proj's GEMM either way. Sequence
+             parallelism turns each into a reduce-scatter + an all-gather: the same bytes, two α (its rerun
+             gathers both inputs again: "op" reruns 2 all-gathers and 1 reduce-scatter).
              hidden = the backward's two all-reduces (with SP, their reduce-scatters), × tp_overlap, each up to
              its block's weight-gradient GEMMs (Megatron runs a column-parallel layer's input-gradient reduction
              beside its dW GEMM: Korthikanti et al. 2022, 5; collective_times). NVLink if the TP group fits in a
@@ -97,15 +99,23 @@ last stage also runs the final norm, the head and the loss):
              ZeRO 1, no pipeline: the gather runs into the next step one bucket at a time, each module's forward
              waiting for its own): then it too hides, × dp_overlap, behind the first micro-batch's forward (a
              third of its compute). With a pipeline Megatron buckets the first stage's gather alone: no change.
+  cp_s      = m · L_stage · ((3cp - 2)·α + ring bytes/β - min(cp_overlap · that, attention kernels' time))
+             context parallelism (a GPU holds s/cp tokens of each sequence, and 1/cp of attention's square as
+             cp block kernels): ring attention's hops on the CP group's link, as
+             context_parallel.ring_attention_bytes counts them, cp - 1 forward and 2cp - 1 backward.
+  ep_s      = m · L_stage · 4 all-to-alls (6 with "full": the rerun forward dispatches again), each
+             latency + expert_parallel.all_to_all_bytes / β on the EP group's link; not hidden.
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
              (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
-  total_s   = compute + tp + pp + bubble + dp + optimizer;   tokens_per_s = dp·m·b·s / total_s
+  overhead_s = a calibrated machine's own work per step and per layer updated (0 on a catalogue GPU)
+  total_s   = compute + tp + cp + ep + pp + bubble + dp + optimizer + overhead;   tokens_per_s = dp·m·b·s / total_s
   mfu       = model FLOPs (flops_per_step: forward and backward, no recomputation) of the dp·m·b sequences /
-             (total_s · P · dp·tp·pp); hfu with hardware FLOPs.
+             (total_s · P · GPUs); hfu with hardware FLOPs.
 
-Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage.
+Left out: data loading, stragglers, the embedding's lookup and its gradient on the first stage, MoE routing's
+imbalance (every expert gets its share of the tokens) and the router's own kernels.
 
-tp_s and dp_s are priced call by call in course_lib.collective_times. 3. a roofline for one layer:
+tp_s, cp_s, ep_s and dp_s are priced call by call in course_lib.collective_times. 3. a roofline for one layer:
 course_lib.roofline. 4. The published runs live in course_lib.published
 (compare_published), which builds on this module.
 """
@@ -114,7 +124,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .collective_times import dp_seconds, tp_seconds_per_layer
+from .collective_times import cp_seconds_per_layer, dp_seconds, ep_seconds_per_layer, tp_seconds_per_layer
 from .hardware import GPU, collective_link, find_gpu, link_for
 from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
@@ -214,24 +224,30 @@ class StepTime:
     operations: list[Operation] = field(default_factory=list)   # one micro-batch on the busiest GPU, by op
     achieved_share: float = 0.0   # the busiest GPU's hardware FLOPs (the MFU count) / (compute time × peak)
     overhead_s: float = 0.0   # the framework's own work once a step (GPU.step_overhead_s and layer_update_overhead_s)
+    cp_s: float = 0.0         # ring attention's K/V hops left exposed (context parallelism)
+    ep_s: float = 0.0         # a mixture of experts' all-to-alls (expert parallelism)
 
     def breakdown(self) -> dict[str, float]:
         terms = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
                  "bubble": self.bubble_s}
+        terms.update({axis: seconds for axis, seconds in (("cp", self.cp_s), ("ep", self.ep_s)) if seconds})
         terms.update({"optimizer": self.optimizer_s} if self.optimizer_s else {})
         return {**terms, "overhead": self.overhead_s} if self.overhead_s else terms
 
 
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
-               "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather", "grad_reduce_bytes")
+               "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather", "grad_reduce_bytes",
+               "cp_overlap", "checkpoint")
 PIPELINE_SENDS = ("blocking", "async")
+CHECKPOINTS = ("non-reentrant", "reentrant")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
               pp_overlap: float = 0.0, tp_overlap: float = 0.0, attention: str = "flash",
               scatter_gather: bool = False, pipeline_sends: str = "blocking", elementwise_ops: str = "fused",
               rotary: str = "model.py", overlap_param_gather: bool = False,
-              grad_reduce_bytes: int | None = None) -> StepTime:
+              grad_reduce_bytes: int | None = None, cp_overlap: float = 0.0,
+              checkpoint: str = "non-reentrant") -> StepTime:
     """One training step of ``job`` on its cluster (job.gpu, job.gpus_per_node): each part's time, tokens/s, MFU,
     and each operation's time. The keywords are the cost model's assumptions, not the job's options: how much
     communication hides behind compute, which attention kernel, Megatron's scatter/gather of pipeline sends,
@@ -239,20 +255,28 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     memory-bound ops run fused or op by op (kernel_times.ELEMENTWISE_OPS) and, op by op, how its code writes
     rotary (eager_traffic.ROTARY), whether ZeRO-1's weights are gathered beside the next forward (Megatron's
     --overlap-param-gather), the bytes the framework reduces each gradient in where not the job's (fp32
-    reductions of 16-bit gradients: FSDP2's reduce_dtype, Composer's "DEFAULT").
-    The formulas: the module docstring's part 2."""
+    reductions of 16-bit gradients: FSDP2's reduce_dtype, Composer's "DEFAULT"), how much of ring attention's
+    traffic hides behind its block kernels (cp_overlap) and how full recomputation reruns a layer (checkpoint:
+    torch's non-reentrant checkpoint stops at down_proj's GEMM, before its TP reduction; a reentrant one,
+    Megatron-LM's or DeepSpeed's, reruns the whole forward). The formulas: the module docstring's part 2."""
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint={checkpoint!r}: one of {CHECKPOINTS} (how full recomputation reruns a layer)")
     if pipeline_sends not in PIPELINE_SENDS:
         raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
     if grad_reduce_bytes not in (None, 2, 4, 8):
         raise ValueError(f"grad_reduce_bytes={grad_reduce_bytes!r}: None (the job's gradients) or the bytes of a "
                          "16-, 32- or 64-bit float (2, 4, 8)")
+    for flag, value in (("scatter_gather", scatter_gather), ("overlap_param_gather", overlap_param_gather)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag}={value!r}: True or False")
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
-                       tp_overlap=tp_overlap)
+                       tp_overlap=tp_overlap, cp_overlap=cp_overlap)
     m = job.num_microbatches
     stages = _stage_seconds(job, hw, compute_efficiency=compute_efficiency, tp_overlap=tp_overlap,
                             pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
-                            elementwise_ops=elementwise_ops, rotary=rotary)
-    compute, tp, pp, operations, stage_flops = max(stages, key=lambda stage: sum(stage[:3]))
+                            elementwise_ops=elementwise_ops, rotary=rotary, cp_overlap=cp_overlap,
+                            checkpoint=checkpoint)
+    compute, tp, pp, operations, stage_flops, axes = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
         exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
         pp = exposed_sends_s / m                                # per micro-batch, as the blocking term
@@ -267,17 +291,18 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                     for stage in range(job.mesh.pp))
     overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,
                                                                                               job.mesh.pp)))
-    total = m * (compute + tp + pp) + bubble + dp + optimizer + overhead
+    total = m * (compute + tp + pp) + bubble + dp + optimizer + overhead      # tp: TP's, CP's and EP's
     sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
     flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute)
     capacity = total * hw.peak_flops * job.mesh.size
-    return StepTime(compute_s=m * compute, tp_s=m * tp, pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
+    return StepTime(compute_s=m * compute, tp_s=m * axes["tp"], pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
                     tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
                     hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
                     links={"tp": link_for(job.mesh.tp, job.gpus_per_node, hw).name,
                            "pp": link_for(job.mesh.size, job.gpus_per_node, hw).name, "dp": dp_link},
                     optimizer_s=optimizer, operations=operations,
-                    achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead)
+                    achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead,
+                    cp_s=m * axes["cp"], ep_s=m * axes["ep"])
 
 
 def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]:
@@ -317,22 +342,27 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
 
 
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,
-                   attention: str, scatter_gather: bool, elementwise_ops: str, rotary: str):
-    """One micro-batch on each pipeline stage: (compute, exposed tp, exposed pp seconds, its operations, its
-    FLOPs) on one GPU of the stage; the slowest stage sets the pace (step_time's docstring)."""
-    config, t, p, v = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks
+                   attention: str, scatter_gather: bool, elementwise_ops: str, rotary: str, cp_overlap: float,
+                   checkpoint: str):
+    """One micro-batch on each pipeline stage: (compute, exposed tp + cp + ep, exposed pp seconds, its
+    operations, its FLOPs, {"tp", "cp", "ep"} apart) on one GPU of the stage; the slowest stage sets the pace
+    (step_time's docstring). With context parallelism a GPU holds seq_len/cp tokens of each sequence."""
+    config, t, p, v, cp = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks, job.mesh.cp
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
-    kernels = dict(micro_batch_size=b, seq_len=seq_len, elementwise_ops=elementwise_ops, bytes_per_element=e)
-    layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel,
+    kernels = dict(micro_batch_size=b, elementwise_ops=elementwise_ops, bytes_per_element=e)
+    layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel, seq_len=seq_len, cp=cp,
                                  recompute=job.recompute, attention=attention, rotary=rotary, **kernels)
-    head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, **kernels)
+    head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, seq_len=seq_len // cp,
+                               **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute, config)
-    layer_flops /= config.num_layers
-    head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1)
-    tp_per_layer = tp_seconds_per_layer(job, hw, layer_ops, tp_overlap)
+    layer_flops /= config.num_layers * cp
+    head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1) / cp
+    per_layer = {"tp": tp_seconds_per_layer(job, hw, layer_ops, tp_overlap, checkpoint),
+                 "cp": cp_seconds_per_layer(job, hw, layer_ops, cp_overlap), "ep": ep_seconds_per_layer(job, hw)}
+    # every hop priced on the slowest link a hop takes (a stage whose neighbour is on another node sets the pace)
     pp_link = collective_link(hw, link_for(job.mesh.size, job.gpus_per_node, hw), "send")
-    activation = tp_allreduce_bytes(b, seq_len, config.hidden, e)      # what one stage hands the next
+    activation = tp_allreduce_bytes(b, seq_len // cp, config.hidden, e)      # what one stage hands the next
     pp_bytes = activation // (t if job.sequence_parallel or scatter_gather else 1)
     pp_per_microbatch = 2 * v * (pp_link.alpha_s + pp_bytes / pp_link.bytes_per_s) if p > 1 else 0.0
     pp_per_microbatch *= 1 - pp_overlap
@@ -344,7 +374,8 @@ def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_ov
         flops = len(layers) * layer_flops / t + (head_flops if stage == p - 1 else 0)
         compute = (sum(op.seconds for op in ops) if compute_efficiency is None
                    else flops / (compute_efficiency * hw.peak_flops))
-        stages.append((compute, len(layers) * tp_per_layer, pp_per_microbatch, ops, flops))
+        axes = {axis: len(layers) * seconds for axis, seconds in per_layer.items()}
+        stages.append((compute, sum(axes.values()), pp_per_microbatch, ops, flops, axes))
     return stages
 
 

@@ -2,8 +2,9 @@
 
 Every number in the first table is a spec-sheet figure, not a measurement: what the vendor promises. Real
 kernels reach less: a matmul reaches a share of the dense peak that depends on its shape (the curve below,
-from published GEMM benchmarks), FlashAttention a smaller one, and nccl-tests' bus bandwidth ~75-90% of a
-link's rate. course_lib.kernel_times times every operation of a step with these.
+from published GEMM benchmarks), FlashAttention a smaller one. course_lib.kernel_times times every operation of a
+step with these. The links are priced at their rated speed: across nodes nccl-tests' bus bandwidth comes within
+~5% of it (link_for's sources); inside a node NCCL reaches less of NVLink's, which the model does not take off.
 
     GPU          dense bf16 peak   memory    HBM bandwidth   NVLink per GPU, each way   network per GPU
     A100 40GB      312 TFLOP/s     40 GiB     1,555 GB/s      300 GB/s (NVLink 3)       200 Gb/s HDR IB
@@ -60,7 +61,7 @@ MATMUL_HALF_DIM = 128
 # sits low on purpose); small ones ran below it (128×4096×4096: 0.35, 1024³: 0.2), too few tiles for 132 SMs.
 # Fitted on its GEMMs of step shapes alone (fit_matmul_curve; labs/kernel_rates.matmul_fit), the H200 gives a share
 # of 0.78 with x_half 304, about half the curve's rms error: steeper for a small dimension. Not taken: on the
-# published runs it does no better (for H100 and H200: 204 of 225 within 5 points, against 205), and one H200 says
+# published runs it does worse (for H100 and H200: 202 of 225 within 5 points, against 208), and one H200 says
 # nothing of the A100.
 # A memory-bound kernel streams at most ~85% of the spec-sheet HBM bandwidth (STREAM-style copy benchmarks on
 # A100 and H100 reach 80-90% of it: refresh, page switches and the write turnaround cost the rest).
@@ -70,8 +71,10 @@ HBM_SHARE = 0.85
 # 0.73, cross-entropy 0.35: kernel_times.STREAM_SHARE times each of those ops at its own share.
 # A kernel costs at least its launch: the CPU enqueues one every few microseconds (CUDA Graphs exist to avoid
 # this). Each operation of course_lib.kernel_times takes at least  kernels × KERNEL_LAUNCH_S.
-KERNEL_LAUNCH_S = 5e-6   # frameworks fuse or graph small ops; an eager PyTorch op took 9.5 µs of host time on
-                         # the H200 box measured here (labs/results/gpu-1x-nvidia-h200; 8.8-11.9 over 4 runs)
+KERNEL_LAUNCH_S = 5e-6   # a launch overlaps the GPU's work on the one before; an eager PyTorch op took 9.5 µs of
+                         # host time on the H200 box measured here (labs/results/gpu-1x-nvidia-h200; 8.8-11.9 over
+                         # 4 runs), the floor of a chain of small ops that wait on the host: not taken (an open
+                         # question; the published runs are large enough that no op sits on its launch floor)
 
 @dataclass(frozen=True)
 class Link:
@@ -281,7 +284,10 @@ NCCL_RING_BASE_S, NCCL_NVLINK_HOP_S, NCCL_NETWORK_HOP_S = 8.4e-6, 3.4e-6, 14e-6
 
 
 def ring_latency(op: str, ranks: int, nodes: int = 1) -> float:
-    """Seconds of latency of one ring collective ``op`` over ``ranks`` GPUs on ``nodes`` nodes, by NCCL's model."""
+    """Seconds of latency of one ring collective ``op`` over ``ranks`` GPUs on ``nodes`` nodes, by NCCL's model.
+    An all-to-all (grouped sends to each peer, not a ring) is priced as an all-gather's ranks - 1 steps."""
+    if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
+        raise ValueError(f"op={op!r}: one of all_reduce, all_gather, reduce_scatter, all_to_all, send")
     if ranks <= 1:
         return 0.0
     steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
@@ -312,6 +318,8 @@ def link_for(group_span: int, gpus_per_node: int, gpu: GPU, group_size: int | No
     NIC, the other hops on NVLink, so each GPU moves its ring bytes at min(k · NIC, NVLink) (DGX A100: 8 × 25 =
     200 GB/s; nccl-tests measure ~192 GB/s of bus bandwidth across DGX A100 nodes and ~380 across DGX H100's
     8 × 50, NVIDIA's GTC 2024 NCCL talk). One GPU per node (a group strided by tp), or point-to-point: one NIC."""
+    if group_span < 1 or gpus_per_node < 1:
+        raise ValueError(f"group_span={group_span}, gpus_per_node={gpus_per_node}: each at least 1")
     if group_span <= gpus_per_node and gpus_per_node % group_span == 0:
         return gpu.nvlink
     per_node = 1 if group_size is None else spread(group_size, group_span, gpus_per_node)[0]

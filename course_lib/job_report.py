@@ -224,6 +224,7 @@ def bottleneck(memory: dict, time, job: Job) -> str:
            "tp": "the tensor-parallel " + ("reduce-scatters and all-gathers" if job.sequence_parallel else "all-reduces")
                  + " of every layer",
            "pp": "the stage-to-stage sends", "optimizer": "the optimizer's step, memory-bound",
+           "cp": "ring attention's K/V hops left exposed", "ep": "the experts' all-to-alls of every layer",
            "overhead": "the framework's per-step work"}[largest]
     return f"{largest}: {share:.0%} of the step ({why})"
 

@@ -145,7 +145,7 @@ FLASH_TFLOPS.update({("H100", "efficient", causal, hd): _derived_efficient(causa
 # added the bias and a faster backward at head dim 128 (its header: "slightly slower than CUDA", FlashAttention-1's,
 # forward + backward). No benchmark of MPT's kernel is published. The figure's bars for OpenAI's kernel run
 # 0.42-0.68 of FlashAttention-2's by point; priced at those, 136 of llm-foundry's 203 rows land within 5 points
-# (at the flat 0.55, 183), most of them low: MPT's kernel runs nearer FlashAttention-2 than the kernel it started
+# (at the flat 0.55, 186), most of them low: MPT's kernel runs nearer FlashAttention-2 than the kernel it started
 # from. The flat ratio is kept, an approximation.
 TRITON_VS_FLASH2 = 3.5 / (1.4 + 2.5 * 2)
 FAMILIES = {"A100": "A100", "H100": "H100", "H200": "H100"}
@@ -160,8 +160,10 @@ def attention_rate(gpu: GPU, kernel: str, seq_len: int, head_dim: int, causal: b
     128 (clamped outside), scaled by the card's peak against the benchmarks' (FAMILY_PEAK: a card clocked lower, 1
     for the catalogue's). A GPU with no benchmark here (this CPU, calibrated; one of your own) takes
     attention_share × peak × f(s) × f(head dim) (hardware.dimension_factor)."""
-    family = FAMILIES.get(gpu.name.split()[0])
-    base = "flash" if kernel == "triton" else kernel
+    family, base = FAMILIES.get(gpu.name.split()[0]), "flash" if kernel == "triton" else kernel
+    if kernel not in ATTENTION[:-1] or not seq_len >= 1 or not head_dim >= 1:
+        raise ValueError(f"kernel={kernel!r}, seq_len={seq_len}, head_dim={head_dim}: a fused kernel, one of "
+                         f"{', '.join(ATTENTION[:-1])}, on at least one token of a head dim of at least 1")
     if kernel == "flash3" and family != "H100":
         raise ValueError(f"attention='flash3' on {gpu.name}: FlashAttention-3 runs on Hopper (H100, H200) only")
     if family is None:
@@ -237,16 +239,18 @@ def matmul(name: str, gpu: GPU, m: int, k: int, n: int, e: int, passes: int, bat
 
 
 def elementwise(name: str, gpu: GPU, forward_bytes: float, backward_bytes: float, flops_per_byte: float,
-                forward_again: bool) -> Operation:
-    """A memory-bound operation: one kernel forward, one backward (and the forward again when recomputed), each
-    at bytes / (its STREAM_SHARE of the achievable HBM bandwidth) or its launch. ``flops_per_byte``: the few
-    FLOPs it does, to place it on a roofline."""
+                forward_again: bool, kernels_per_pass: int = 1) -> Operation:
+    """A memory-bound operation: ``kernels_per_pass`` kernels forward, as many backward (and the forward again
+    when recomputed), each pass at bytes / (its STREAM_SHARE of the achievable HBM bandwidth) or its launches.
+    ``flops_per_byte``: the few FLOPs it does, to place it on a roofline."""
     passes = [forward_bytes, backward_bytes] + ([forward_bytes] if forward_again else [])
     share = 1.0 if gpu.eager_elementwise else STREAM_SHARE.get(name, 1.0)
-    parts = [timed(name, gpu, flops_per_byte * b, b, rate=gpu.peak_flops, stream_share=share) for b in passes]
+    parts = [timed(name, gpu, flops_per_byte * b, b, rate=gpu.peak_flops, kernels=kernels_per_pass,
+                   stream_share=share) for b in passes]
     seconds = sum(p.seconds for p in parts)
     bound = max(("memory", "launch"), key=lambda kind: sum(p.seconds for p in parts if p.bound == kind))
-    return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound, len(parts))
+    return Operation(name, sum(p.flops for p in parts), sum(p.bytes for p in parts), seconds, bound,
+                     kernels_per_pass * len(parts))
 
 
 def standard_attention(gpu: GPU, heads: int, seq_len: int, head_dim: int, e: int, causal: bool = True
@@ -305,14 +309,20 @@ def attention_square(config, micro_batch_size: int, seq_len: int, tp: int = 1) -
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
                      causal: bool = True, elementwise_ops: str = "fused", rotary: str = "model.py",
-                     bytes_per_element: int = 2) -> list[Operation]:
+                     bytes_per_element: int = 2, cp: int = 1) -> list[Operation]:
     """One transformer layer's operations, forward + backward (+ what ``recompute`` runs again), on one of
     ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS; ``rotary``,
-    eager_traffic.ROTARY: the rotary an eager run's code writes)."""
+    eager_traffic.ROTARY: the rotary an eager run's code writes). With context parallelism (``cp`` > 1) a GPU
+    holds seq_len/cp tokens of each sequence, and ring attention gives it 1/cp of the (causal) square as cp
+    block kernels, each on seq_len/cp queries and as many keys: the non-causal rate at that length
+    (course_lib.context_parallel's balanced layout: almost every block pair is full)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
+    if cp > 1 and (attention == "unfused" or seq_len % cp):
+        raise ValueError(f"cp={cp} with attention={attention!r}, seq_len={seq_len}: ring attention runs fused block "
+                         "kernels on seq_len/cp tokens a GPU (seq_len divisible by cp; 'unfused' is not modelled)")
     eager_ops = _eager_ops(gpu, elementwise_ops, rotary)
-    b, s, e, t = micro_batch_size, seq_len, bytes_per_element, tp
+    b, s, e, t = micro_batch_size, seq_len // cp, bytes_per_element, tp
     T, d, h_d = b * s, config.hidden, config.head_dim
     widths = weight_widths(config, t)
     q_width, kv_width, mlp_width = widths["q_proj"][1], widths["k_proj"][1], widths["gate_proj"][1]
@@ -331,13 +341,13 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     heads = b * config.num_heads // t
     core_again = recompute in ("selective", "full")
     if attention != "unfused":
-        square = attention_square(config, b, s, t) * (0.5 if causal else 1)     # what the kernel runs
+        square = attention_square(config, b, s, t) * cp * (0.5 if causal else 1)   # what the kernels run
         forward_flops = square * (2 if core_again else 1)
         flops = forward_flops + 2.5 * square
         io = T * (q_width + kv_width) * e                              # q and k (v and o: the same widths)
         nbytes = 2 * io * (2 if core_again else 1) + 4 * io
-        rate = attention_rate(gpu, attention, s, h_d, causal)
-        ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=3 if core_again else 2))
+        rate = attention_rate(gpu, attention, s, h_d, causal and cp == 1)
+        ops.append(timed("attention core", gpu, flops, nbytes, rate=rate, kernels=(3 if core_again else 2) * cp))
         if not eager_ops:
             ops.append(elementwise("rotary", gpu, 2 * T * (q_width + kv_width) * e, 2 * T * (q_width + kv_width) * e,
                                    1.5 / e, block_rerun))
@@ -349,7 +359,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
                               1.0, core_again)
         ops += [scores, softmax, values]
     rows = T // t if sequence_parallel else T
-    norms = elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun)
+    norms = elementwise("RMSNorm ×2", gpu, 2 * 2 * rows * d * e, 2 * 3 * rows * d * e, 2.5 / e, block_rerun, 2)
     if eager_ops:                                     # the course's model, op by op (eager_traffic)
         if sequence_parallel and gpu.eager_elementwise:
             raise ValueError("sequence_parallel=True on a machine that runs the course's model eagerly: "
@@ -365,7 +375,7 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
         return ops + [eager("elementwise ops, as model.py runs them" + written, gpu, counted, e, block_rerun)]
     ops.append(norms)
     ops.append(elementwise("residual add ×2", gpu, 2 * 3 * rows * d * e, 2 * 3 * rows * d * e, 1 / (3 * e),
-                           block_rerun))
+                           block_rerun, 2))
     ops.append(elementwise("SwiGLU products", gpu, 3 * T * mlp_width * e * experts,
                            5 * T * mlp_width * e * experts, 2 / e, block_rerun))
     return ops

@@ -302,7 +302,7 @@ class _Questions:
             if not other.fits:
                 parts.append(f"{other.recipe} does not fit ({size_text(other.memory['total'])})")
                 continue
-            slower = {k: v - best.time.breakdown()[k] for k, v in other.time.breakdown().items()}
+            slower = {k: v - best.time.breakdown().get(k, 0.0) for k, v in other.time.breakdown().items()}
             worst = max(slower, key=slower.get)
             ratio = other.time.tokens_per_s / best.time.tokens_per_s
             tie = ", a tie: closer than the cost model can tell" if ratio > 1 - TIE_SHARE else ""

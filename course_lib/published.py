@@ -112,7 +112,7 @@ def narayanan_run(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, pe
         gpt_config(hidden=hidden, num_layers=layers, num_heads=heads), "A100 80GB", Mesh(dp=dp, tp=tp, pp=pp),
         dict(seq_len=2048, micro_batch_size=b, num_microbatches=batch // (dp * b), num_chunks=v,
              schedule="interleaved" if v > 1 else "1f1b", recompute="full", zero_stage=0, attention="unfused",
-             scatter_gather=True, vocab_parallel=True),
+             scatter_gather=True, vocab_parallel=True, checkpoint="reentrant"),     # Megatron's CheckpointFunction
         "hfu", tflops / 312,
         f"{NARAYANAN}: {params}B, {heads} heads, hidden {hidden:,}, {layers} layers, TP {tp}, PP {pp}, {gpus:,} "
         f"GPUs, batch {batch:,}: {tflops} teraFLOP/s per GPU, {percent}% of peak; {SC21_SCRIPTS}: micro-batch {b}"
@@ -343,6 +343,7 @@ def regime(run: PublishedRun) -> str:
 def error_by_regime(rows: list[dict], runs: list[PublishedRun]) -> dict[str, dict]:
     """compare_published's rows grouped by regime(): how many, the mean, least and largest error in points, and
     how many land within 5 points."""
+    _check_paired("rows", rows, "runs", runs)
     groups: dict[str, list[float]] = {}
     for row, run in zip(rows, runs):
         groups.setdefault(regime(run), []).append(row["points"])
@@ -353,11 +354,19 @@ def error_by_regime(rows: list[dict], runs: list[PublishedRun]) -> dict[str, dic
 def rank_correlation(xs: list[float], ys: list[float]) -> float:
     """Spearman's ρ: 1 - 6·Σd² / (n(n² - 1)), d the gap between each pair's ranks (ties broken by order): 1 when
     the two lists put the runs in the same order."""
+    _check_paired("xs", xs, "ys", ys, least=2)
+
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         return {index: rank for rank, index in enumerate(order)}
     rx, ry, n = ranks(xs), ranks(ys), len(xs)
     return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def _check_paired(name: str, first: list, other_name: str, other: list, least: int = 0) -> None:
+    if len(first) != len(other) or len(first) < least:
+        raise ValueError(f"{len(first)} {name} and {len(other)} {other_name}: one of each per run, in the same "
+                         "order" + (f", at least {least} runs" if least else ""))
 
 
 def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:

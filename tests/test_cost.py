@@ -17,7 +17,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import REPO, costed
 from course_lib.collective_times import collective_latency, reduced_bytes, tp_seconds_per_layer
 from course_lib.comm import wire_bytes
+from course_lib.context_parallel import ring_attention_bytes
 from course_lib.cost import ASSUMPTIONS, flops_per_step, forward_terms, six_nd, step_time
+from course_lib.expert_parallel import all_to_all_bytes
 from course_lib.hardware import (
     GPU,
     GPUS,
@@ -224,6 +226,8 @@ def test_each_axis_uses_the_link_its_group_spans():
     assert across.tp_s > 5 * inside.tp_s                               # 450 vs 50 GB/s, 4/8 the activation
     small = costed(config, Mesh(dp=8), **kw)                        # one node: DP on NVLink
     assert small.links["dp"] == LINKS["NVLink 4"].name
+    railed = costed(config, Mesh(dp=4, tp=4), **kw)                 # 2 of a DP group's 4 GPUs in each node
+    assert railed.links["dp"] == link_for(16, 8, GPUS["H100 SXM"], 4).name == f"{LINKS['IB NDR 400'].name}, 2 rails per node"
 
 
 def test_more_micro_batches_shrink_the_bubble_and_overlap_hides_dp():
@@ -375,6 +379,92 @@ def test_gradients_reduced_in_the_frameworks_bytes():
     keywords = [name for name, parameter in inspect.signature(step_time).parameters.items()
                 if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     assert tuple(keywords) == ASSUMPTIONS
+
+def test_tp_calls_follow_sequence_parallelism_and_the_checkpoint():
+    """Each TP collective of a layer priced once: 4 all-reduces, + 1 rerun under "op" or "full" (tensor_parallel's
+    count: torch's non-reentrant checkpoint stops once down_proj's GEMM has run, before its reduction), + 2 under
+    "full" with a reentrant checkpoint (Megatron-LM's reruns the whole forward); with sequence parallelism 4
+    reduce-scatters and 4 all-gathers, + the rerun's 2 all-gathers and 1 reduce-scatter (2, reentrant)."""
+    config, hw, t = preset("llama2-7b"), GPUS["H100 SXM"], 8
+    payload = tp_step_traffic(config, 1, 4096, t, 2)["payload_bytes_each"]
+    call = {op: collective_latency(hw, hw.nvlink, op, t, 1) + wire_bytes(op, payload, t) / hw.nvlink.bytes_per_s
+            for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    expected = {(False, "none"): {"all_reduce": 4}, (False, "selective"): {"all_reduce": 4},
+                (False, "op"): {"all_reduce": 5}, (False, "full"): {"all_reduce": 5},
+                (False, "full", "reentrant"): {"all_reduce": 6},
+                (True, "none"): {"reduce_scatter": 4, "all_gather": 4},
+                (True, "op"): {"reduce_scatter": 5, "all_gather": 6},
+                (True, "full"): {"reduce_scatter": 5, "all_gather": 6},
+                (True, "full", "reentrant"): {"reduce_scatter": 6, "all_gather": 6}}
+    for (sp, recompute, *impl), calls in expected.items():
+        step = costed(config, Mesh(tp=t), gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=2,
+                      recompute=recompute, sequence_parallel=sp, checkpoint=(impl or ["non-reentrant"])[0])
+        per_layer = sum(count * call[op] for op, count in calls.items())
+        assert step.tp_s == pytest.approx(2 * config.num_layers * per_layer, rel=1e-12), (sp, recompute)
+    with pytest.raises(ValueError, match="checkpoint='megatron': one of"):
+        costed(config, Mesh(tp=t), gpu="H100 SXM", seq_len=4096, checkpoint="megatron")
+
+
+def test_context_parallelism_splits_the_sequence_and_prices_the_ring():
+    """cp ranks share each sequence: a GPU's token-wise kernels are those of seq_len/cp tokens, attention's FLOPs
+    1/cp of the causal square; the ring's hops (cp - 1 forward, 2cp - 1 backward, ring_attention_bytes) are
+    exposed at cp_overlap 0 and hide behind the attention kernels at 1; the step's MFU counts every GPU."""
+    config = dataclasses.replace(preset("llama2-7b"), max_seq_len=32768)
+    hw, s, cp = GPUS["H100 SXM"], 32768, 4
+    kw = dict(gpu="H100 SXM", seq_len=s, micro_batch_size=1, num_microbatches=1, zero_stage=3)
+    split = costed(config, Mesh(dp=2, cp=cp), **kw)
+    whole = layer_operations(config, hw, micro_batch_size=1, seq_len=s)
+    local = {op.name: op for op in layer_operations(config, hw, micro_batch_size=1, seq_len=s, cp=cp)}
+    short = {op.name: op for op in layer_operations(config, hw, micro_batch_size=1, seq_len=s // cp)}
+    for name in ("q_proj", "down_proj", "RMSNorm ×2", "SwiGLU products"):
+        assert local[name] == short[name]
+    core = next(op for op in whole if op.name == "attention core")
+    assert local["attention core"].flops == pytest.approx(core.flops / cp, rel=1e-12)
+    assert local["attention core"].kernels == cp * core.kernels
+    sent = ring_attention_bytes(1, config.num_kv_heads, s, config.head_dim, cp, torch.bfloat16)
+    hop = hw.nvlink
+    ring = (3 * cp - 2) * hop.alpha_s + (sent["forward"] + sent["backward"]) / hop.bytes_per_s
+    assert split.cp_s == pytest.approx(config.num_layers * ring, rel=1e-12) and split.breakdown()["cp"] == split.cp_s
+    hidden = costed(config, Mesh(dp=2, cp=cp), cp_overlap=1.0, **kw)
+    assert hidden.cp_s == 0 and "cp" not in hidden.breakdown()           # 23 ms of attention hides 4 ms of hops
+    model_flops = flops_per_step(config, batch_size=2, seq_len=s).model
+    assert split.mfu == pytest.approx(model_flops / (split.total_s * hw.peak_flops * 8), rel=1e-12)
+    with pytest.raises(ValueError, match="cp=4 with attention='unfused'"):
+        costed(config, Mesh(dp=2, cp=cp), attention="unfused", **kw)
+
+
+def test_expert_parallelism_prices_four_all_to_alls_a_layer():
+    """A mixture of experts split over ep ranks sends its routed rows (all_to_all_bytes at capacity 1 when
+    dropless) in 4 all-to-alls a layer and micro-batch, 6 when full recomputation dispatches again."""
+    config, hw = preset("mixtral-8x7b"), GPUS["H100 SXM"]
+    kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=2, zero_stage=3,
+              data_parallel=False)
+    nbytes = all_to_all_bytes(4096, config.hidden, config.num_experts, config.top_k, 1.0, 8, 2)
+    call = collective_latency(hw, hw.nvlink, "all_to_all", 8, 1) + nbytes / hw.nvlink.bytes_per_s
+    for recompute, calls in (("none", 4), ("full", 6)):
+        step = costed(config, Mesh(dp=8, ep=8), recompute=recompute, **kw)
+        assert step.ep_s == pytest.approx(2 * config.num_layers * calls * call, rel=1e-12)
+    assert costed(config, Mesh(dp=8), **kw | dict(data_parallel=True)).ep_s == 0
+    with pytest.raises(ValueError, match="op='all2all'"):
+        collective_latency(hw, hw.nvlink, "all2all", 8, 1)
+
+
+def test_bad_inputs_to_the_cost_models_parts_are_refused_by_name():
+    """Each part refuses what it cannot price, naming the value and the rule, rather than pricing something else."""
+    hw = GPUS["H100 SXM"]
+    with pytest.raises(ValueError, match="kernel='bogus', seq_len=4096, head_dim=128: a fused kernel, one of flash"):
+        attention_rate(hw, "bogus", 4096, 128)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        attention_rate(hw, "flash", 0, 128)
+    with pytest.raises(ValueError, match="group_span=0, gpus_per_node=8: each at least 1"):
+        link_for(0, 8, hw)
+    with pytest.raises(ValueError, match="2 xs and 3 ys: one of each per run, in the same order, at least 2 runs"):
+        rank_correlation([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="1 xs and 1 ys"):
+        rank_correlation([1], [1])
+    with pytest.raises(TypeError, match="scatter_gather='no': True or False"):
+        costed(preset("llama2-7b"), Mesh(dp=8), gpu="H100 SXM", seq_len=4096, scatter_gather="no")
+
 
 def test_asynchronous_sends_cost_only_the_hops_on_the_schedules_chain():
     """pipeline_sends="async" (the course's executor: a stage waits for its input, never for its own sends).
@@ -615,7 +705,7 @@ def test_the_operations_add_up_to_the_compute_and_mfu_keeps_the_megatron_count()
     assert {op.bound for op in step.operations} == {"compute", "memory"}
     norms = next(op for op in step.operations if op.name == "RMSNorm ×2")
     assert norms.seconds == pytest.approx(norms.bytes / (HBM_SHARE * STREAM_SHARE["RMSNorm ×2"] * 3.35e12), rel=1e-12)
-    model = flops_per_step(config, batch_size=2 * 16, seq_len=4096).model           # Narayanan eq. 3's count
+    model = flops_per_step(config, batch_size=2 * 16, seq_len=4096).model           # model FLOPs (eq. 3 adds the rerun)
     assert step.mfu == pytest.approx(model / (step.total_s * 989e12 * 64), rel=1e-12)
     assert 0.3 < step.achieved_share < 0.67                   # below the large-GEMM share: the memory-bound rest
 

@@ -483,3 +483,29 @@ def test_megatrons_tp_reductions_run_beside_the_weight_gradients(reports):
     assert titan.job.mesh.tp == 8 and "tp_overlap" not in titan.assumptions
     with pytest.raises(ValueError, match=r"ReadConfig assumptions \['tp_overlapp'\]: step_time takes"):
         dataclasses.replace(read, assumptions={"tp_overlapp": 1.0})
+
+
+def test_context_parallel_files_are_priced_on_a_split_sequence(tmp_path):
+    """A file with context parallelism: each GPU holds seq_len/cp tokens of a sequence, so its MFU stays near the
+    run without it (it halved before the step split the sequence), and ring attention's hops are priced as each
+    framework runs them: Megatron's Transformer Engine ring beside the attention kernels (cp_overlap 1; another
+    --cp-comm-type is named as not modelled), torchtitan's all-gather exposed (an upper bound, said)."""
+    script = ("--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 8192 --max-position-embeddings "
+              "8192 --tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --bf16")
+    (tmp_path / "cp.sh").write_text(script + " --context-parallel-size 2")
+    (tmp_path / "a2a.sh").write_text(script + " --context-parallel-size 2 --cp-comm-type a2a")
+    (tmp_path / "plain.sh").write_text(script)
+    cp, a2a, plain = (read_config(tmp_path / name, num_gpus=8) for name in ("cp.sh", "a2a.sh", "plain.sh"))
+    assert cp.job.mesh.cp == 2 and cp.assumptions["cp_overlap"] == 1.0 and not cp.unknown
+    assert any(line.startswith("context parallelism: Transformer Engine") for line in cp.conventions)
+    assert any(line.startswith("--cp-comm-type a2a") for line in a2a.not_modelled) and not a2a.unknown
+    ours, theirs = (step_time(read.job, **read.assumptions) for read in (cp, plain))
+    assert ours.mfu > 0.8 * theirs.mfu and ours.cp_s >= 0
+    toml = '[model]\nflavor = "8B"\n[training]\nseq_len = 8192\n[parallelism]\ncontext_parallel_degree = 2\n'
+    (tmp_path / "t.toml").write_text(toml)
+    titan = read_config(tmp_path / "t.toml", num_gpus=8)
+    assert titan.job.mesh.cp == 2 and "cp_overlap" not in titan.assumptions
+    assert any("ring attention's K/V traffic timed exposed" in line for line in titan.conventions)
+    step = step_time(titan.job, **titan.assumptions)
+    assert step.cp_s > 0 and step.mfu > 0.8 * step_time(titan.job.replace(
+        mesh=Mesh(dp=8)), **titan.assumptions).mfu

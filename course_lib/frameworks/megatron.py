@@ -44,7 +44,7 @@ INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-l
             "vocab-size", "make-vocab-size-divisible-by", "num-experts", "moe-router-topk", "moe-ffn-hidden-size",
             "expert-tensor-parallel-size", "nproc_per_node", "nproc-per-node", "nnodes"}
 WORDS = {"recompute-granularity", "recompute-method", "normalization", "position-embedding-type", "rotary-base",
-         "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy"}
+         "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy", "cp-comm-type"}
 SWITCHES = {"sequence-parallel", "use-distributed-optimizer", "group-query-attention", "swiglu",
             "untie-embeddings-and-output-weights", "bf16", "fp16", "accumulate-allreduce-grads-in-fp32",
             "add-qkv-bias", "disable-bias-linear", "use-flash-attn", "overlap-grad-reduce", "overlap-param-gather",
@@ -95,6 +95,7 @@ NOT_MODELLED = {
 # their weight-gradient GEMM and wait for it after: no flag turns it off (Korthikanti et al. 2022, 5, the published
 # rows' tp_overlap). It relies on CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron's example scripts set.
 TP_OVERLAP = 1.0
+CP_OVERLAP = 1.0   # Transformer Engine's p2p ring attention: each hop beside the previous block's attention
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
@@ -219,17 +220,29 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
             not_modelled.append("--overlap-param-gather with a pipeline: Megatron buckets the first stage's gather "
                                 "alone, the others gather their weights whole at their first forward; timed as "
                                 "without the flag")
+    recompute = _recompute(args, not_modelled)
+    if tp > 1 and recompute == "full":
+        conventions.append("full recomputation reruns each layer's whole forward (Megatron-LM's CheckpointFunction), "
+                           "TP's last reduction too: one more a layer than torch's non-reentrant checkpoint")
     if tp > 1:
         conventions.append("TP's backward: each column-parallel layer's input-gradient all-reduce (reduce-scatter "
                            "with --sequence-parallel) runs beside its weight-gradient GEMM, as Megatron-LM's "
                            "linear layers and Transformer Engine's always issue it: timed hidden up to those GEMMs "
                            "(step_time's tp_overlap = 1)")
+    if cp > 1:
+        comm_type = str(args.get("cp-comm-type", "p2p"))
+        conventions.append("context parallelism: Transformer Engine's ring attention (--cp-comm-type p2p, the "
+                           "default) sends each K/V block beside the attention kernel of the one before: timed "
+                           "hidden up to the attention kernels (step_time's cp_overlap = 1)")
+        if comm_type != "p2p":
+            not_modelled.append(f"--cp-comm-type {comm_type}: all-to-all or all-gather context parallelism; timed "
+                                "as p2p's ring")
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
     job = Job(config, Mesh(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), seq_len=config.max_seq_len, micro_batch_size=micro,
-              num_microbatches=global_batch // (micro * dp), zero_stage=zero_stage, recompute=_recompute(args,
-              not_modelled), sequence_parallel=bool(args.get("sequence-parallel")), vocab_parallel=tp > 1,
+              num_microbatches=global_batch // (micro * dp), zero_stage=zero_stage, recompute=recompute,
+              sequence_parallel=bool(args.get("sequence-parallel")), vocab_parallel=tp > 1,
               schedule="interleaved" if num_chunks > 1 else "1f1b", num_chunks=num_chunks, data_parallel=ep == 1,
               dtype="fp32" if precision == "fp32" else precision, convention=convention, gpu=gpu,
               gpus_per_node=gpus_per_node)
@@ -244,7 +257,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                                         overlap_param_gather=overlap_param_gather),
                       assumptions=dict(dp_overlap=DDP_OVERLAP if args.get("overlap-grad-reduce") else 0.0,
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
-                                       elementwise_ops="fused"))   # its fused norm, SwiGLU and dropout-add kernels
+                                       elementwise_ops="fused",    # its fused norm, SwiGLU and dropout-add kernels
+                                       cp_overlap=CP_OVERLAP, checkpoint="reentrant"))   # its CheckpointFunction
 
 
 def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:

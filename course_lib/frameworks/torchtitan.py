@@ -217,6 +217,10 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if ddp_fp32_grads:
         conventions.append("DDP under autocast: torchtitan keeps fp32 parameters, so its gradients are fp32 and "
                            "reduced in fp32; counted as mixed-precision state, the step time counts the fp32 bytes")
+    if mesh.cp > 1:
+        conventions.append("context parallelism: ring attention's K/V traffic timed exposed (step_time's cp_overlap "
+                           "= 0), an upper bound: torch's context_parallel (rotate method \"allgather\", its default) "
+                           "gathers K and V once and waits for them at its second block, hiding them behind the first")
     elementwise_ops = _elementwise_ops(toml, mesh.tp, conventions)
     if mesh.pp > 1:
         conventions.append("the layers split evenly over the stages (torchtitan's default gives the first and the "
