@@ -19,9 +19,11 @@ formulas, with their sources, are cost.py's part 2 (tp_s, cp_s, ep_s and dp_s).
                 min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
                 behind backward, ZeRO-3's gathers behind compute, ZeRO-1's gather of the updated weights behind
                 the next step's first forward where the framework overlaps it (overlap_param_gather, pp = 1)
-    cp        = ring attention's hops of a layer (context_parallel.ring_attention_bytes), less what hides behind
-                the attention kernels × cp_overlap
-    ep        = a mixture of experts' 4 all-to-alls a layer (expert_parallel.all_to_all_bytes), not hidden
+    cp        = ring attention's hops of a layer (context_parallel.ring_attention_bytes; full recomputation runs
+                the forward's again), less what hides behind the attention kernels × cp_overlap
+    ep        = a mixture of experts' 4 all-to-alls a layer, 6 with full recomputation
+                (expert_parallel.all_to_all_bytes: per_rank.sent_bytes_per_rank's count), not hidden; across
+                nodes each GPU sends the share bound for other nodes through its own NIC
 """
 
 from __future__ import annotations
@@ -78,34 +80,42 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float, checkp
 
 def cp_seconds_per_layer(job: Job, hw: GPU, layer_ops, cp_overlap: float) -> float:
     """A layer's ring attention traffic for one micro-batch (context_parallel.ring_attention_bytes: cp - 1 hops
-    of a K/V block forward; backward the K/V again and the dK/dV home, 2cp - 1 hops), each hop paying α on the
-    link its CP group spans, less what hides behind the attention kernels (× cp_overlap): a ring posts each hop
-    before its block's kernel and waits after it."""
+    of a K/V block forward; backward the K/V again and the dK/dV home, 2cp - 1 hops; full recomputation runs the
+    forward's cp - 1 again, as per_rank.sent_bytes_per_rank counts), each hop paying α on the link its CP group
+    spans, less what hides behind the attention kernels (× cp_overlap): a ring posts each hop before its block's
+    kernel and waits after it."""
     config, cp, t = job.config, job.mesh.cp, job.mesh.tp
     if cp == 1:
         return 0.0
     sent = ring_attention_bytes(job.micro_batch_size, config.num_kv_heads // t, job.tokens_per_sequence,
                                 config.head_dim, cp, job.torch_dtype)
     link = collective_link(hw, link_for(cp * t, job.gpus_per_node, hw), "send")
-    seconds = (3 * cp - 2) * link.alpha_s + (sent["forward"] + sent["backward"]) / link.bytes_per_s
+    rerun = job.recompute == "full"
+    seconds = ((3 * cp - 2 + rerun * (cp - 1)) * link.alpha_s
+               + ((1 + rerun) * sent["forward"] + sent["backward"]) / link.bytes_per_s)
     window = sum(op.seconds for op in layer_ops if op.name in ATTENTION_OPS)
     return seconds - min(cp_overlap * seconds, window)
 
 
 def ep_seconds_per_layer(job: Job, hw: GPU) -> float:
     """A mixture of experts' all-to-alls in a layer for one micro-batch: dispatch and combine forward, their
-    gradients backward (+ the forward's again when full recomputation reruns it), each sending the routed rows
-    as expert_parallel.all_to_all_bytes counts them at job.capacity_factor, or at 1 where None (dropless
-    frameworks send only the T·top_k rows routed, as a balanced router fills exactly capacity 1). Not hidden."""
+    gradients backward (+ the forward's again when full recomputation reruns it: the combine's output is saved by
+    the weighting after it), each sending the buffer expert_parallel.all_to_all_bytes counts at
+    job.capacity_factor (None: the course's MoE, every expert's buffer padded to all the tokens; a dropless
+    framework sends the routed rows only, a reader's capacity 1). Across nodes, k of the ep GPUs in each, a GPU
+    sends (ep - k)/ep of its buffer through its own NIC and the rest over NVLink beside it. Not hidden."""
     config, ep, t = job.config, job.mesh.ep, job.mesh.tp
     if ep == 1:
         return 0.0
     tokens = job.micro_batch_size * job.tokens_per_sequence // job.mesh.cp
-    nbytes = all_to_all_bytes(tokens, config.hidden, config.num_experts, config.top_k, job.capacity_factor or 1.0,
-                              ep, job.bytes_per_element)
-    link = link_for(ep * t, job.gpus_per_node, hw, ep)
-    call = (collective_latency(hw, link, "all_to_all", ep, spread(ep, ep * t, job.gpus_per_node)[1])
-            + nbytes / collective_link(hw, link, "all_to_all").bytes_per_s)
+    nbytes = all_to_all_bytes(tokens, config.hidden, config.num_experts, config.top_k, job.capacity_factor, ep,
+                              job.bytes_per_element)
+    per_node, nodes = spread(ep, ep * t, job.gpus_per_node)
+    link = link_for(ep * t, job.gpus_per_node, hw)               # NVLink in a node, else one NIC per GPU
+    rate = collective_link(hw, link, "all_to_all").bytes_per_s
+    if nodes > 1:                                               # wire bytes (ep - 1)/ep, (ep - k)/ep of them on the NIC
+        rate = min(rate * (ep - 1) / (ep - per_node), hw.nvlink.bytes_per_s)
+    call = collective_latency(hw, link, "all_to_all", ep, nodes) + nbytes / rate
     return (6 if job.recompute == "full" else 4) * call
 
 

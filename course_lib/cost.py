@@ -102,9 +102,11 @@ last stage also runs the final norm, the head and the loss):
   cp_s      = m · L_stage · ((3cp - 2)·α + ring bytes/β - min(cp_overlap · that, attention kernels' time))
              context parallelism (a GPU holds s/cp tokens of each sequence, and 1/cp of attention's square as
              cp block kernels): ring attention's hops on the CP group's link, as
-             context_parallel.ring_attention_bytes counts them, cp - 1 forward and 2cp - 1 backward.
+             context_parallel.ring_attention_bytes counts them, cp - 1 forward and 2cp - 1 backward (and the
+             forward's again with "full").
   ep_s      = m · L_stage · 4 all-to-alls (6 with "full": the rerun forward dispatches again), each
-             latency + expert_parallel.all_to_all_bytes / β on the EP group's link; not hidden.
+             latency + expert_parallel.all_to_all_bytes / β on the EP group's link (across nodes, what each GPU
+             sends to other nodes on its own NIC); not hidden.
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates
              (per_rank.data_parallel_state_bytes' shard: /dp with ZeRO >= 1)
   overhead_s = a calibrated machine's own work per step and per layer updated (0 on a catalogue GPU)
@@ -298,11 +300,19 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     return StepTime(compute_s=m * compute, tp_s=m * axes["tp"], pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
                     tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
                     hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
-                    links={"tp": link_for(job.mesh.tp, job.gpus_per_node, hw).name,
-                           "pp": link_for(job.mesh.size, job.gpus_per_node, hw).name, "dp": dp_link},
+                    links=_links(job, hw, dp_link),
                     optimizer_s=optimizer, operations=operations,
                     achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead,
                     cp_s=m * axes["cp"], ep_s=m * axes["ep"])
+
+
+def _links(job: Job, hw: GPU, dp_link: str) -> dict[str, str]:
+    """The link each axis's group spans (cp and ep only where they are > 1: consecutive tp·cp, tp·ep ranks)."""
+    mesh, per_node = job.mesh, job.gpus_per_node
+    links = {"tp": link_for(mesh.tp, per_node, hw).name, "pp": link_for(mesh.size, per_node, hw).name, "dp": dp_link}
+    links.update({axis: link_for(size * mesh.tp, per_node, hw).name
+                  for axis, size in (("cp", mesh.cp), ("ep", mesh.ep)) if size > 1})
+    return links
 
 
 def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]:

@@ -42,6 +42,7 @@ from .comm import Comm
 from .context_parallel import apply_context_parallel
 from .ddp import NaiveDDP
 from .expert_parallel import apply_ep
+from .feed_forward import MoE
 from .hsdp import HybridShardedDataParallel
 from .job import Job
 from .pipeline_parallel import make_stage, partition_layers, pipeline_step, stage_chunks
@@ -99,6 +100,8 @@ def parallelize(model: nn.Module, job: Job, comms: dict[str, Comm], rank: int, *
             apply_context_parallel(chunk, comms["cp"])
         if mesh.tp > 1:                                                     # 2. TP (+SP)
             apply_tp(chunk, comms["tp"], sequence_parallel=job.sequence_parallel, vocab_parallel=job.vocab_parallel)
+        for moe in (module for module in chunk.modules() if isinstance(module, MoE)):
+            moe.capacity_factor = job.capacity_factor                       # the job's routing rule
         if mesh.ep > 1:                                                     # 3. EP
             apply_ep(chunk, comms["ep"])
         apply_checkpointing(chunk, job.recompute)   # 4. activation checkpointing

@@ -218,8 +218,8 @@ def sent_bytes_per_rank(job: Job, stage: int) -> dict[str, float]:
     ``sequence_parallel`` (Megatron's; tensor_parallel.apply_tp(..., sequence_parallel=True)): each all-reduce
     becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes, plus the stack's ends and the
     norms' weights (tensor_parallel.tp_step_traffic); the stages pass 1/tp of the sequence, a/tp.
-    ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic) and each layer's
-    ring (cp). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
+    ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic), each layer's
+    ring (cp) and its experts' two all-to-alls (ep). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
     """
     config, mesh, seq_len, num_microbatches = job.config, job.mesh, job.tokens_per_sequence, job.num_microbatches
     sequence_parallel, vocab_parallel, num_chunks = job.sequence_parallel, job.vocab_parallel, job.num_chunks
@@ -248,7 +248,7 @@ def sent_bytes_per_rank(job: Job, stage: int) -> dict[str, float]:
     if mesh.ep > 1:
         one = all_to_all_bytes(micro_batch * local_seq, config.hidden, config.num_experts, config.top_k,
                                job.capacity_factor, mesh.ep, bytes_per_element)
-        sent["ep"] = 4 * layers * num_microbatches * one
+        sent["ep"] = (6 if job.recompute == "full" else 4) * layers * num_microbatches * one   # + the rerun's two
     return sent
 
 

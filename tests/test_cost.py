@@ -37,7 +37,7 @@ from course_lib.job import Job
 from course_lib.kernel_times import STREAM_SHARE, attention_rate, layer_operations
 from course_lib.mesh import Mesh
 from course_lib.model import build, loss_fn, param_count_formula, preset
-from course_lib.per_rank import data_parallel_traffic
+from course_lib.per_rank import data_parallel_traffic, sent_bytes_per_rank
 from course_lib.published import PUBLISHED_RUNS, compare_published, gpt_config, rank_correlation
 from course_lib.roofline import roofline
 from course_lib.tensor_parallel import tp_step_traffic
@@ -425,6 +425,10 @@ def test_context_parallelism_splits_the_sequence_and_prices_the_ring():
     hop = hw.nvlink
     ring = (3 * cp - 2) * hop.alpha_s + (sent["forward"] + sent["backward"]) / hop.bytes_per_s
     assert split.cp_s == pytest.approx(config.num_layers * ring, rel=1e-12) and split.breakdown()["cp"] == split.cp_s
+    rerun = costed(config, Mesh(dp=2, cp=cp), recompute="full", **kw)     # the forward's ring runs again
+    again = (cp - 1) * hop.alpha_s + sent["forward"] / hop.bytes_per_s
+    assert rerun.cp_s == pytest.approx(config.num_layers * (ring + again), rel=1e-12)
+    assert split.links["cp"] == hop.name
     hidden = costed(config, Mesh(dp=2, cp=cp), cp_overlap=1.0, **kw)
     assert hidden.cp_s == 0 and "cp" not in hidden.breakdown()           # 23 ms of attention hides 4 ms of hops
     model_flops = flops_per_step(config, batch_size=2, seq_len=s).model
@@ -434,16 +438,31 @@ def test_context_parallelism_splits_the_sequence_and_prices_the_ring():
 
 
 def test_expert_parallelism_prices_four_all_to_alls_a_layer():
-    """A mixture of experts split over ep ranks sends its routed rows (all_to_all_bytes at capacity 1 when
-    dropless) in 4 all-to-alls a layer and micro-batch, 6 when full recomputation dispatches again."""
+    """A mixture of experts split over ep ranks sends the buffer all_to_all_bytes counts at the job's capacity
+    factor (per_rank's bytes: None is the course's buffer padded to all the tokens, E/top_k times a dropless
+    framework's routed rows at capacity 1) in 4 all-to-alls a layer and micro-batch, 6 when full recomputation
+    runs the forward again; across nodes each GPU's share for other nodes goes through its own NIC."""
     config, hw = preset("mixtral-8x7b"), GPUS["H100 SXM"]
     kw = dict(gpu="H100 SXM", seq_len=4096, micro_batch_size=1, num_microbatches=2, zero_stage=3,
               data_parallel=False)
-    nbytes = all_to_all_bytes(4096, config.hidden, config.num_experts, config.top_k, 1.0, 8, 2)
-    call = collective_latency(hw, hw.nvlink, "all_to_all", 8, 1) + nbytes / hw.nvlink.bytes_per_s
-    for recompute, calls in (("none", 4), ("full", 6)):
-        step = costed(config, Mesh(dp=8, ep=8), recompute=recompute, **kw)
-        assert step.ep_s == pytest.approx(2 * config.num_layers * calls * call, rel=1e-12)
+    for capacity_factor in (1.0, None):
+        nbytes = all_to_all_bytes(4096, config.hidden, config.num_experts, config.top_k, capacity_factor, 8, 2)
+        call = collective_latency(hw, hw.nvlink, "all_to_all", 8, 1) + nbytes / hw.nvlink.bytes_per_s
+        for recompute, calls in (("none", 4), ("full", 6)):
+            job = Job(config, Mesh(dp=8, ep=8), recompute=recompute, capacity_factor=capacity_factor, **kw)
+            assert step_time(job).ep_s == pytest.approx(2 * config.num_layers * calls * call, rel=1e-12)
+            assert sent_bytes_per_rank(job, 0)["ep"] == pytest.approx(
+                2 * config.num_layers * calls * nbytes, rel=1e-12)             # the bytes per_rank counts
+    assert all_to_all_bytes(4096, config.hidden, 8, 2, None, 8, 2) == 4 * all_to_all_bytes(
+        4096, config.hidden, 8, 2, 1.0, 8, 2)
+    # 16 experts over 2 nodes: each GPU sends 8/16 of its buffer to the other node on its own NIC
+    wide = dataclasses.replace(config, num_experts=16)
+    job = Job(wide, Mesh(dp=16, ep=16), capacity_factor=1.0, **kw)
+    nbytes = all_to_all_bytes(4096, wide.hidden, 16, 2, 1.0, 16, 2)
+    nic = (8 / 16) * (nbytes * 16 / 15) / hw.network.bytes_per_s              # the buffer's half bound off-node
+    call = collective_latency(hw, hw.network, "all_to_all", 16, 2) + nic
+    assert step_time(job).ep_s == pytest.approx(2 * wide.num_layers * 4 * call, rel=1e-12)
+    assert step_time(job).links["ep"] == hw.network.name
     assert costed(config, Mesh(dp=8), **kw | dict(data_parallel=True)).ep_s == 0
     with pytest.raises(ValueError, match="op='all2all'"):
         collective_latency(hw, hw.nvlink, "all2all", 8, 1)

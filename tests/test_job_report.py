@@ -21,7 +21,7 @@ from course_lib.job_report import (
 )
 from course_lib.mesh import Mesh
 from course_lib.model import preset
-from course_lib.per_rank import data_parallel_bytes_per_step, params_per_rank
+from course_lib.per_rank import data_parallel_bytes_per_step, params_per_rank, sent_bytes_per_rank
 from course_lib.published import FSDP_OVERLAP
 from course_lib.virtual import run_rank
 
@@ -509,3 +509,20 @@ def test_context_parallel_files_are_priced_on_a_split_sequence(tmp_path):
     step = step_time(titan.job, **titan.assumptions)
     assert step.cp_s > 0 and step.mfu > 0.8 * step_time(titan.job.replace(
         mesh=Mesh(dp=8)), **titan.assumptions).mfu
+
+
+def test_megatrons_dropless_experts_send_the_routed_rows(tmp_path):
+    """Megatron's MoE drops no token unless --moe-expert-capacity-factor says so, and its all-to-alls send only the
+    rows routed: read as a balanced router's capacity factor 1 (said), which the virtual run's MoE layers take too,
+    so its measured all-to-all bytes equal per_rank's. A capacity factor given is read; a bad one refused."""
+    example = (EXAMPLES / "mixtral_8x7b_ep.sh").read_text()
+    read = read_config(EXAMPLES / "mixtral_8x7b_ep.sh", num_gpus=64)
+    assert read.job.capacity_factor == 1.0 and any(line.startswith("dropless experts") for line in read.conventions)
+    (tmp_path / "cf.sh").write_text(example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor 1.25"))
+    assert read_config(tmp_path / "cf.sh", num_gpus=64).job.capacity_factor == 1.25
+    (tmp_path / "bad.sh").write_text(example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor x"))
+    with pytest.raises(ConfigError, match="--moe-expert-capacity-factor x: a number above 0"):
+        read_config(tmp_path / "bad.sh", num_gpus=64)
+    small = read.job.replace(num_microbatches=4)
+    run = run_rank(small, 0)
+    assert run["sent_bytes"]["ep"] == sent_bytes_per_rank(small, 0)["ep"] > 0

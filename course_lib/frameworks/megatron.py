@@ -44,7 +44,8 @@ INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-l
             "vocab-size", "make-vocab-size-divisible-by", "num-experts", "moe-router-topk", "moe-ffn-hidden-size",
             "expert-tensor-parallel-size", "nproc_per_node", "nproc-per-node", "nnodes"}
 WORDS = {"recompute-granularity", "recompute-method", "normalization", "position-embedding-type", "rotary-base",
-         "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy", "cp-comm-type"}
+         "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy", "cp-comm-type",
+         "moe-expert-capacity-factor"}
 SWITCHES = {"sequence-parallel", "use-distributed-optimizer", "group-query-attention", "swiglu",
             "untie-embeddings-and-output-weights", "bf16", "fp16", "accumulate-allreduce-grads-in-fp32",
             "add-qkv-bias", "disable-bias-linear", "use-flash-attn", "overlap-grad-reduce", "overlap-param-gather",
@@ -237,6 +238,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         if comm_type != "p2p":
             not_modelled.append(f"--cp-comm-type {comm_type}: all-to-all or all-gather context parallelism; timed "
                                 "as p2p's ring")
+    capacity = _capacity(args, where, conventions) if config.num_experts else None
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
@@ -244,7 +246,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
               num_microbatches=global_batch // (micro * dp), zero_stage=zero_stage, recompute=recompute,
               sequence_parallel=bool(args.get("sequence-parallel")), vocab_parallel=tp > 1,
               schedule="interleaved" if num_chunks > 1 else "1f1b", num_chunks=num_chunks, data_parallel=ep == 1,
-              dtype="fp32" if precision == "fp32" else precision, convention=convention, gpu=gpu,
+              dtype="fp32" if precision == "fp32" else precision, convention=convention, capacity_factor=capacity,
+              gpu=gpu,
               gpus_per_node=gpus_per_node)
     problems = job.problems()
     if problems:
@@ -259,6 +262,24 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
                                        elementwise_ops="fused",    # its fused norm, SwiGLU and dropout-add kernels
                                        cp_overlap=CP_OVERLAP, checkpoint="reentrant"))   # its CheckpointFunction
+
+
+def _capacity(args: dict, where: str, conventions: list[str]) -> float:
+    """The experts' capacity factor: --moe-expert-capacity-factor, or Megatron's dropless default, whose
+    all-to-alls send only the T·top_k rows routed: a balanced router's capacity 1 (the course's MoE, with None,
+    pads every expert's buffer to all the tokens)."""
+    value = args.get("moe-expert-capacity-factor")
+    if value is None:
+        conventions.append("dropless experts (no --moe-expert-capacity-factor): each all-to-all sends the routed rows, "
+                           "counted as a balanced router's, capacity factor 1")
+        return 1.0
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if not factor > 0:
+        raise ConfigError(f"{where}: --moe-expert-capacity-factor {value}: a number above 0")
+    return factor
 
 
 def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:
