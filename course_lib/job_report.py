@@ -123,7 +123,8 @@ def job_report(read: ReadConfig, alternatives: bool = True) -> dict:
         "bubble": bubble_fraction(job.mesh.pp, job.num_microbatches, job.num_chunks),
         "step": {"seconds": time.total_s, "tokens_per_s": time.tokens_per_s, "mfu": time.mfu,
                  "parts": time.breakdown(), "dp_overlap": read.assumptions.get("dp_overlap", 0.0),
-                 "tp_overlap": read.assumptions.get("tp_overlap", 0.0) if job.mesh.tp > 1 else 0.0},
+                 "tp_overlap": read.assumptions.get("tp_overlap", 0.0) if job.mesh.tp > 1 else 0.0,
+                 "cp_overlap": read.assumptions.get("cp_overlap", 0.0) if job.mesh.cp > 1 else 0.0},
         "error_band": {"regime": name, **held_out_errors().get(name, {"runs": 0})},
         "bottleneck": bottleneck(memory, time, job),
         "better": better_layouts(read, time.tokens_per_s, memory["fits"]) if alternatives else None,
@@ -202,7 +203,8 @@ def framework_dp_bytes(read: ReadConfig, stage: int) -> float | None:
 def _overlap_text(step: dict, sent_bytes: dict) -> str:
     """What the step hides behind compute, as the framework schedules it: " (...)", or "" where nothing hides."""
     hidden = ([f"data-parallel traffic {step['dp_overlap']:.0%} hidden"] if sent_bytes.get("dp") else []) + (
-        [f"TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs"] if step["tp_overlap"] else [])
+        [f"TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs"] if step["tp_overlap"] else []) + (
+        [f"ring attention {step['cp_overlap']:.0%}, up to the attention kernels"] if step["cp_overlap"] else [])
     return f" ({'; '.join(hidden)})" if hidden else ""
 
 

@@ -499,6 +499,7 @@ def test_context_parallel_files_are_priced_on_a_split_sequence(tmp_path):
     assert cp.job.mesh.cp == 2 and cp.assumptions["cp_overlap"] == 1.0 and not cp.unknown
     assert any(line.startswith("context parallelism: Transformer Engine") for line in cp.conventions)
     assert any(line.startswith("--cp-comm-type a2a") for line in a2a.not_modelled) and not a2a.unknown
+    assert "ring attention 100%, up to the attention kernels" in format_report(job_report(cp, alternatives=False))
     ours, theirs = (step_time(read.job, **read.assumptions) for read in (cp, plain))
     assert ours.mfu > 0.8 * theirs.mfu and ours.cp_s >= 0
     toml = '[model]\nflavor = "8B"\n[training]\nseq_len = 8192\n[parallelism]\ncontext_parallel_degree = 2\n'
@@ -506,6 +507,7 @@ def test_context_parallel_files_are_priced_on_a_split_sequence(tmp_path):
     titan = read_config(tmp_path / "t.toml", num_gpus=8)
     assert titan.job.mesh.cp == 2 and "cp_overlap" not in titan.assumptions
     assert any("ring attention's K/V traffic timed exposed" in line for line in titan.conventions)
+    assert "ring attention" not in format_report(job_report(titan, alternatives=False)).split("\n\nbottleneck")[0]
     step = step_time(titan.job, **titan.assumptions)
     assert step.cp_s > 0 and step.mfu > 0.8 * step_time(titan.job.replace(
         mesh=Mesh(dp=8)), **titan.assumptions).mfu

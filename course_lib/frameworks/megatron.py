@@ -247,8 +247,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
               sequence_parallel=bool(args.get("sequence-parallel")), vocab_parallel=tp > 1,
               schedule="interleaved" if num_chunks > 1 else "1f1b", num_chunks=num_chunks, data_parallel=ep == 1,
               dtype="fp32" if precision == "fp32" else precision, convention=convention, capacity_factor=capacity,
-              gpu=gpu,
-              gpus_per_node=gpus_per_node)
+              gpu=gpu, gpus_per_node=gpus_per_node)
     problems = job.problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
