@@ -99,12 +99,12 @@ last stage also runs the final norm, the head and the loss):
              ZeRO 1, no pipeline: the gather runs into the next step one bucket at a time, each module's forward
              waiting for its own): then it too hides, × dp_overlap, behind the first micro-batch's forward (a
              third of its compute). With a pipeline Megatron buckets the first stage's gather alone: no change.
-  cp_s      = m · L_stage · ((3cp - 2)·α + ring bytes/β - min(cp_overlap · that, attention kernels' time))
+  cp_s      = m · L_stage · (n·α + ring bytes/β - min(cp_overlap · that, attention kernels' time))
              context parallelism (a GPU holds s/cp tokens of each sequence, and 1/cp of attention's square as
              cp block kernels): ring attention's hops on the CP group's link, as
-             context_parallel.ring_attention_bytes counts them, cp - 1 forward and 2cp - 1 backward (and the
-             forward's again with "full").
-  ep_s      = m · L_stage · 4 all-to-alls (6 with "full": the rerun forward dispatches again), each
+             context_parallel.ring_attention_bytes counts them: n = cp - 1 forward + 2cp - 1 backward, the
+             bytes forward + backward ("full": the forward's hops and bytes twice, n = 4cp - 3).
+  ep_s      = m · L_stage · 4 all-to-alls (6 with "full": the rerun forward dispatches and combines again), each
              latency + expert_parallel.all_to_all_bytes / β on the EP group's link (across nodes, what each GPU
              sends to other nodes on its own NIC); not hidden.
   optimizer_s = Adam's bytes (kernel_times.optimizer_operation) over the parameters this GPU updates

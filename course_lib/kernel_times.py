@@ -313,14 +313,14 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     """One transformer layer's operations, forward + backward (+ what ``recompute`` runs again), on one of
     ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS; ``rotary``,
     eager_traffic.ROTARY: the rotary an eager run's code writes). With context parallelism (``cp`` > 1) a GPU
-    holds seq_len/cp tokens of each sequence, and ring attention gives it 1/cp of the (causal) square, a step
-    per hop, each on seq_len/cp queries and as many keys: the non-causal rate at that length (of the 2cp - 1
-    steps' block pairs of course_lib.context_parallel's balanced layout, only the 2 diagonal ones are masked)."""
+    holds seq_len/cp tokens of each sequence, and ring attention gives it 1/cp of the (causal) square in cp
+    steps (cp - 1 hops), each on seq_len/cp queries and as many keys: the non-causal rate at that length (of the
+    2cp + 1 chunk pairs a rank computes in course_lib.context_parallel's balanced layout, 2 are diagonal)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
     if not (isinstance(cp, int) and cp >= 1) or cp > 1 and (attention == "unfused" or seq_len % cp):
-        raise ValueError(f"cp={cp} with attention={attention!r}, seq_len={seq_len}: a whole cp >= 1; ring attention "
-                         "runs fused kernels on seq_len/cp tokens a GPU (seq_len divisible by cp; 'unfused': not modelled)")
+        raise ValueError(f"cp={cp}, attention={attention!r}, seq_len={seq_len}: cp a whole number >= 1 dividing "
+                         "seq_len; ring attention runs fused kernels on seq_len/cp tokens ('unfused': not modelled)")
     eager_ops = _eager_ops(gpu, elementwise_ops, rotary)
     b, s, e, t = micro_batch_size, seq_len // cp, bytes_per_element, tp
     T, d, h_d = b * s, config.hidden, config.head_dim

@@ -11,7 +11,8 @@ this order, so that each sees the model it expects:
         changes no module, so its place in torchtitan's order is free.
 2. TP   ``apply_tp`` over "tp" (``sequence_parallel``: Megatron's SP). The first of torchtitan's
         parallelize_llama.
-3. EP   ``apply_ep`` over "ep": each MoE keeps its E/ep experts (torchtitan applies EP with TP).
+3. EP   ``apply_ep`` over "ep": each MoE keeps its E/ep experts (torchtitan applies EP with TP). Every MoE,
+        split or not, takes the job's capacity_factor (None: no token dropped), whatever the model was built with.
 4. activation checkpointing: ``apply_checkpointing`` ("full": each block, "selective": each attention core;
         course_lib.recompute), after the layers are split and before they are cut into stages and wrapped
         (torchtitan: after TP, before FSDP): a recomputed block reruns its TP collectives as they ran.

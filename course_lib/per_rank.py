@@ -219,7 +219,8 @@ def sent_bytes_per_rank(job: Job, stage: int) -> dict[str, float]:
     becomes a reduce-scatter and an all-gather, (tp-1)/tp · a each, the same bytes, plus the stack's ends and the
     norms' weights (tensor_parallel.tp_step_traffic); the stages pass 1/tp of the sequence, a/tp.
     ``recompute="full"``: backward reruns part of each layer's TP collectives (tp_step_traffic), each layer's
-    ring (cp) and its experts' two all-to-alls (ep). ``vocab_parallel``: the split embedding's, head's and loss's all-reduces (vocab_parallel_traffic).
+    ring (cp) and its experts' two all-to-alls (ep). ``vocab_parallel``: the split embedding's, head's and
+    loss's all-reduces (vocab_parallel_traffic).
     """
     config, mesh, seq_len, num_microbatches = job.config, job.mesh, job.tokens_per_sequence, job.num_microbatches
     sequence_parallel, vocab_parallel, num_chunks = job.sequence_parallel, job.vocab_parallel, job.num_chunks

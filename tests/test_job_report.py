@@ -514,17 +514,27 @@ def test_context_parallel_files_are_priced_on_a_split_sequence(tmp_path):
 
 
 def test_megatrons_dropless_experts_send_the_routed_rows(tmp_path):
-    """Megatron's MoE drops no token unless --moe-expert-capacity-factor says so, and its all-to-alls send only the
-    rows routed: read as a balanced router's capacity factor 1 (said), which the virtual run's MoE layers take too,
-    so its measured all-to-all bytes equal per_rank's. A capacity factor given is read; a bad one refused."""
+    """Megatron's MoE drops no token unless --moe-expert-capacity-factor says so, and its all-to-all dispatcher sends
+    only the rows routed and kept (padded to capacity only with --moe-pad-expert-input-to-capacity): read as a
+    balanced router's capacity factor, 1 at most (said), which the virtual run's MoE layers take too, so its
+    measured all-to-all bytes equal per_rank's. A bad factor is refused; a dispatcher other than alltoall
+    (Megatron's default all-gathers the tokens) is named as not modelled."""
     example = (EXAMPLES / "mixtral_8x7b_ep.sh").read_text()
     read = read_config(EXAMPLES / "mixtral_8x7b_ep.sh", num_gpus=64)
     assert read.job.capacity_factor == 1.0 and any(line.startswith("dropless experts") for line in read.conventions)
-    (tmp_path / "cf.sh").write_text(example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor 1.25"))
-    assert read_config(tmp_path / "cf.sh", num_gpus=64).job.capacity_factor == 1.25
-    (tmp_path / "bad.sh").write_text(example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor x"))
+    assert not any("dispatcher" in line for line in read.not_modelled)
+    for flags, factor in (("--moe-expert-capacity-factor 1.25", 1.0), ("--moe-expert-capacity-factor 0.5", 0.5),
+                          ("--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", 1.25)):
+        (tmp_path / "cf.sh").write_text(example.replace("--num-experts 8", f"--num-experts 8 {flags}"))
+        assert read_config(tmp_path / "cf.sh", num_gpus=64).job.capacity_factor == factor, flags
+    bad = example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor x")
+    (tmp_path / "bad.sh").write_text(bad)
     with pytest.raises(ConfigError, match="--moe-expert-capacity-factor x: a number above 0"):
         read_config(tmp_path / "bad.sh", num_gpus=64)
+    (tmp_path / "gather.sh").write_text(example.replace(" --moe-token-dispatcher-type alltoall", ""))
+    gather = read_config(tmp_path / "gather.sh", num_gpus=64)
+    assert any(line.startswith("--moe-token-dispatcher-type allgather (Megatron's default)")
+               for line in gather.not_modelled)
     small = read.job.replace(num_microbatches=4)
     run = run_rank(small, 0)
     assert run["sent_bytes"]["ep"] == sent_bytes_per_rank(small, 0)["ep"] > 0

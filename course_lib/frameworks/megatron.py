@@ -45,12 +45,12 @@ INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-l
             "expert-tensor-parallel-size", "nproc_per_node", "nproc-per-node", "nnodes"}
 WORDS = {"recompute-granularity", "recompute-method", "normalization", "position-embedding-type", "rotary-base",
          "tokenizer-type", "attention-backend", "data-parallel-sharding-strategy", "cp-comm-type",
-         "moe-expert-capacity-factor"}
+         "moe-expert-capacity-factor", "moe-token-dispatcher-type"}
 SWITCHES = {"sequence-parallel", "use-distributed-optimizer", "group-query-attention", "swiglu",
             "untie-embeddings-and-output-weights", "bf16", "fp16", "accumulate-allreduce-grads-in-fp32",
             "add-qkv-bias", "disable-bias-linear", "use-flash-attn", "overlap-grad-reduce", "overlap-param-gather",
             "recompute-activations", "use-rotary-position-embeddings", "use-megatron-fsdp", "optimizer-cpu-offload",
-            "grad-reduce-in-bf16"}
+            "grad-reduce-in-bf16", "moe-pad-expert-input-to-capacity"}
 # Flags that change nothing the report counts (optimizer settings, data, logging, checkpoints, the launcher).
 NO_EFFECT = {
     "lr", "min-lr", "lr-decay-style", "lr-decay-iters", "lr-decay-samples", "lr-warmup-iters", "lr-warmup-fraction",
@@ -63,7 +63,7 @@ NO_EFFECT = {
     "no-gradient-accumulation-fusion", "no-position-embedding", "data-cache-path", "exit-duration-in-mins",
     "timing-log-level", "master_addr", "master-addr", "master_port", "master-port", "node_rank", "node-rank",
     "rdzv_backend", "rdzv-backend", "rdzv_endpoint", "rdzv-endpoint", "rdzv_id", "rdzv-id", "norm-epsilon",
-    "moe-grouped-gemm", "moe-aux-loss-coeff", "moe-router-load-balancing-type", "moe-token-dispatcher-type",
+    "moe-grouped-gemm", "moe-aux-loss-coeff", "moe-router-load-balancing-type",
     "use-checkpoint-args", "no-load-optim", "no-load-rng", "bert-no-binary-head", "num-workers", "rampup-batch-size",
 }
 NOT_MODELLED = {
@@ -238,7 +238,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         if comm_type != "p2p":
             not_modelled.append(f"--cp-comm-type {comm_type}: all-to-all or all-gather context parallelism; timed "
                                 "as p2p's ring")
-    capacity = _capacity(args, where, conventions) if config.num_experts else None
+    capacity = _capacity(args, where, conventions, not_modelled, ep) if config.num_experts else None
     if precision == "fp16" and zero_stage == 1:
         conventions.append("fp16 with the distributed optimizer: Megatron shards its fp32 gradient copy with the "
                            "optimizer (4 + 16/d bytes per parameter); the course keeps it whole (8 + 12/d)")
@@ -263,22 +263,34 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                                        cp_overlap=CP_OVERLAP, checkpoint="reentrant"))   # its CheckpointFunction
 
 
-def _capacity(args: dict, where: str, conventions: list[str]) -> float:
-    """The experts' capacity factor: --moe-expert-capacity-factor, or Megatron's dropless default, whose
-    all-to-alls send only the T·top_k rows routed: a balanced router's capacity 1 (the course's MoE, with None,
-    pads every expert's buffer to all the tokens)."""
+def _capacity(args: dict, where: str, conventions: list[str], not_modelled: list[str], ep: int) -> float:
+    """The capacity factor that gives the rows Megatron's all-to-alls send (expert_parallel.all_to_all_bytes; the
+    course's MoE, with None, pads every expert's buffer to all the tokens). Dropless by default, and without
+    --moe-pad-expert-input-to-capacity it sends only the rows routed and kept: T·top_k at most, a balanced
+    router's capacity 1. Its default dispatcher all-gathers the tokens instead (transformer_config.py)."""
     value = args.get("moe-expert-capacity-factor")
-    if value is None:
-        conventions.append("dropless experts (no --moe-expert-capacity-factor): each all-to-all sends the routed rows, "
-                           "counted as a balanced router's, capacity factor 1")
-        return 1.0
     try:
-        factor = float(value)
+        factor = 1.0 if value is None else float(value)
     except ValueError:
         factor = 0.0
     if not factor > 0:
         raise ConfigError(f"{where}: --moe-expert-capacity-factor {value}: a number above 0")
-    return factor
+    padded = bool(args.get("moe-pad-expert-input-to-capacity")) and value is not None
+    counted = factor if padded else min(factor, 1.0)
+    if value is None:
+        conventions.append("dropless experts (no --moe-expert-capacity-factor): each all-to-all sends the rows "
+                           "routed, counted as a balanced router's, capacity factor 1")
+    elif padded:
+        conventions.append(f"--moe-expert-capacity-factor {factor:g} with --moe-pad-expert-input-to-capacity: every "
+                           "expert's buffer sent padded to its capacity")
+    else:
+        conventions.append(f"--moe-expert-capacity-factor {factor:g}, not padded: each all-to-all sends the rows kept, "
+                           f"counted as a balanced router's, capacity factor {counted:g}")
+    dispatcher = args.get("moe-token-dispatcher-type", "allgather")
+    if ep > 1 and dispatcher != "alltoall":
+        not_modelled.append(f"--moe-token-dispatcher-type {dispatcher}" + (" (Megatron's default)" if dispatcher ==
+                            "allgather" else "") + ": not all-to-alls of the routed rows, as the step is timed")
+    return counted
 
 
 def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[str]]:
