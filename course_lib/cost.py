@@ -278,13 +278,13 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                             pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
                             elementwise_ops=elementwise_ops, rotary=rotary, cp_overlap=cp_overlap,
                             checkpoint=checkpoint)
-    compute, tp, pp, operations, stage_flops, axes = max(stages, key=lambda stage: sum(stage[:3]))
+    compute, layers_comm, pp, operations, stage_flops, axes = max(stages, key=lambda stage: sum(stage[:3]))
     if pipeline_sends == "async" and job.mesh.pp > 1:
         exposed_sends_s, bubble = _async_pipeline(job, stages, hop_s=pp / (2 * job.num_chunks))
         pp = exposed_sends_s / m                                # per micro-batch, as the blocking term
     else:
         stalled = bubble_fraction(job.mesh.pp, job.num_chunks * m)   # 1F1B's idle share, interleaved over v chunks
-        bubble = m * (compute + tp + pp) * stalled / (1 - stalled)
+        bubble = m * (compute + layers_comm + pp) * stalled / (1 - stalled)
     # A stage's parameters, counted over its layers as p stages hold them (v chunks hold the same layers, give or
     # take one, and Llama 3's chunks of the embedding or head alone are no layer split per_rank can count).
     held = job.replace(num_chunks=1, schedule="1f1b")
@@ -293,7 +293,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                     for stage in range(job.mesh.pp))
     overhead = hw.step_overhead_s + hw.layer_update_overhead_s * max(map(len, partition_layers(job.config.num_layers,
                                                                                               job.mesh.pp)))
-    total = m * (compute + tp + pp) + bubble + dp + optimizer + overhead      # tp: TP's, CP's and EP's
+    total = m * (compute + layers_comm + pp) + bubble + dp + optimizer + overhead
     sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
     flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute)
     capacity = total * hw.peak_flops * job.mesh.size
@@ -319,7 +319,7 @@ def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]
     """(pp_s, bubble_s) of a pipeline whose sends complete in the background (module docstring, part 2): the
     makespan of job.schedule's timeline with every message ``hop_s`` late less the same timeline with instant
     messages, and that less the busiest stage's own work."""
-    work = [compute + tp for compute, tp, *_ in stages]          # each stage's micro-batch
+    work = [compute + layers_comm for compute, layers_comm, *_ in stages]   # each stage's micro-batch
 
     def makespan(latency_s: float) -> float:
         return simulate(job.schedule, job.mesh.pp, job.num_microbatches, [w / 3 for w in work],
@@ -354,7 +354,7 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,
                    attention: str, scatter_gather: bool, elementwise_ops: str, rotary: str, cp_overlap: float,
                    checkpoint: str):
-    """One micro-batch on each pipeline stage: (compute, exposed tp + cp + ep, exposed pp seconds, its
+    """One micro-batch on each pipeline stage: (compute, its layers' exposed tp + cp + ep, exposed pp seconds, its
     operations, its FLOPs, {"tp", "cp", "ep"} apart) on one GPU of the stage; the slowest stage sets the pace
     (step_time's docstring). With context parallelism a GPU holds seq_len/cp tokens of each sequence."""
     config, t, p, v, cp = job.config, job.mesh.tp, job.mesh.pp, job.num_chunks, job.mesh.cp

@@ -281,13 +281,14 @@ def grid_rate(grid: tuple, m: float, n: float, k: float) -> float:
 # all-reduce 2(N - 1); on n > 1 nodes, n - 1 of them (an all-reduce: 2n) cross the network. So latency grows
 # with the ring: 32 µs for an all-gather over one node of 8, 0.30 ms over 64 GPUs on 8 nodes, 2.4 ms over 512.
 NCCL_RING_BASE_S, NCCL_NVLINK_HOP_S, NCCL_NETWORK_HOP_S = 8.4e-6, 3.4e-6, 14e-6
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def ring_latency(op: str, ranks: int, nodes: int = 1) -> float:
     """Seconds of latency of one ring collective ``op`` over ``ranks`` GPUs on ``nodes`` nodes, by NCCL's model.
     An all-to-all (grouped sends to each peer, not a ring) is priced as an all-gather's ranks - 1 steps."""
-    if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
-        raise ValueError(f"op={op!r}: one of all_reduce, all_gather, reduce_scatter, all_to_all, send")
+    if op not in COLLECTIVES:
+        raise ValueError(f"op={op!r}: one of {', '.join(COLLECTIVES)}")
     if ranks <= 1:
         return 0.0
     steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1

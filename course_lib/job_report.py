@@ -202,9 +202,10 @@ def framework_dp_bytes(read: ReadConfig, stage: int) -> float | None:
 
 def _overlap_text(step: dict, sent_bytes: dict) -> str:
     """What the step hides behind compute, as the framework schedules it: " (...)", or "" where nothing hides."""
-    hidden = ([f"data-parallel traffic {step['dp_overlap']:.0%} hidden"] if sent_bytes.get("dp") else []) + (
-        [f"TP's backward {step['tp_overlap']:.0%}, up to its weight-gradient GEMMs"] if step["tp_overlap"] else []) + (
-        [f"ring attention {step['cp_overlap']:.0%}, up to the attention kernels"] if step["cp_overlap"] else [])
+    hidden = [f"data-parallel traffic {step['dp_overlap']:.0%} hidden"] if sent_bytes.get("dp") else []
+    for share, text in (("tp_overlap", "TP's backward {:.0%}, up to its weight-gradient GEMMs"),
+                        ("cp_overlap", "ring attention {:.0%}, up to the attention kernels")):
+        hidden += [text.format(step[share])] if step[share] else []
     return f" ({'; '.join(hidden)})" if hidden else ""
 
 
