@@ -13,7 +13,8 @@ formulas, with their sources, are cost.py's part 2 (tp_s, cp_s, ep_s and dp_s).
                 tensor_parallel.tp_step_traffic counts them (full recomputation by a reentrant checkpoint: + the
                 one more it reruns), less the backward's two reductions (with sequence
                 parallelism their reduce-scatters) × tp_overlap, each up to the weight-gradient GEMMs of its
-                column-parallel block (attention's q, k, v; the MLP's gate, up)
+                column-parallel block (attention's q, k, v; the MLP's gate, up); on the first and last stage a
+                vocab-parallel embedding's and head's all-reduces (vocab_seconds), not hidden
     dp        = each group of per_rank.data_parallel_traffic on its own link, every unit (a layer, the
                 embedding, the head) paying each call's latency, as many calls as the ZeRO stage makes; then
                 min(dp_overlap × what can hide, the window it can hide behind): the gradients' reduction
@@ -35,6 +36,7 @@ from .hardware import GPU, collective_link, link_for, ring_latency, spread
 from .job import Job
 from .per_rank import data_parallel_traffic, layers_per_rank
 from .tensor_parallel import tp_step_traffic
+from .vocab_parallel import vocab_parallel_traffic
 
 COLUMN_PARALLEL = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # kernel_times' names, by block
 ATTENTION_OPS = ("attention core", "attention scores QKᵀ", "softmax + dropout", "attention values AV")
@@ -76,6 +78,22 @@ def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float, checkp
     windows = [sum(op.seconds / op.kernels for op in layer_ops if op.name in names) for names in COLUMN_PARALLEL]
     return (sum(calls[op] * seconds[op] for op in ops)
             - sum(min(tp_overlap * seconds[reduction], window) for window in windows))
+
+
+def vocab_seconds(job: Job, hw: GPU, stage: int) -> float:
+    """A vocab-parallel embedding's and head's all-reduces for one micro-batch on ``stage`` (the lookup's on the
+    first, the loss's three and the head input's gradient on the last: vocab_parallel.vocab_parallel_traffic, as
+    per_rank counts them), on TP's link; none hidden."""
+    t = job.mesh.tp
+    if t == 1 or not job.vocab_parallel:
+        return 0.0
+    traffic = vocab_parallel_traffic(job.micro_batch_size, job.tokens_per_sequence // job.mesh.cp, job.config.hidden,
+                                     job.bytes_per_element, t, first_stage=stage == 0,
+                                     last_stage=stage == job.mesh.pp - 1)
+    link = link_for(t, job.gpus_per_node, hw)
+    calls = traffic["forward_all_reduces"] + traffic["backward_all_reduces"]
+    return (calls * collective_latency(hw, link, "all_reduce", t, spread(t, t, job.gpus_per_node)[1])
+            + traffic["wire_bytes_per_rank"] / collective_link(hw, link, "all_reduce").bytes_per_s)
 
 
 def cp_seconds_per_layer(job: Job, hw: GPU, layer_ops, cp_overlap: float) -> float:

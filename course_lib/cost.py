@@ -62,7 +62,8 @@ last stage also runs the final norm, the head and the loss):
              hidden = the backward's two all-reduces (with SP, their reduce-scatters), × tp_overlap, each up to
              its block's weight-gradient GEMMs (Megatron runs a column-parallel layer's input-gradient reduction
              beside its dW GEMM: Korthikanti et al. 2022, 5; collective_times). NVLink if the TP group fits in a
-             node.
+             node. With vocab_parallel, + the lookup's all-reduce on the first stage and the loss's three and the
+             head input's gradient on the last (collective_times.vocab_seconds), not hidden.
   pp_s      = (1 - pp_overlap) · m · 2v · (α + a_pp / β)   one activation forward and one gradient back
              per micro-batch and chunk; a_pp = a/t with sequence parallelism or Megatron's scatter/gather
              (Narayanan et al. 2021, 4.1: each TP rank sends its slice, an all-gather over NVLink rebuilds
@@ -126,9 +127,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .collective_times import cp_seconds_per_layer, dp_seconds, ep_seconds_per_layer, tp_seconds_per_layer
+from .collective_times import (
+    cp_seconds_per_layer,
+    dp_seconds,
+    ep_seconds_per_layer,
+    tp_seconds_per_layer,
+    vocab_seconds,
+)
 from .hardware import GPU, collective_link, find_gpu, link_for
-from .job import Job
+from .job import Job, _schedule_problem
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .model import ModelConfig, param_count_formula
@@ -273,6 +280,8 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
             raise TypeError(f"{flag}={value!r}: True or False")
     hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
                        tp_overlap=tp_overlap, cp_overlap=cp_overlap)
+    if job.mesh.size < job.gpus_per_node:          # part of one node: every group on NVLink
+        job = job.replace(gpus_per_node=job.mesh.size)
     m = job.num_microbatches
     stages = _stage_seconds(job, hw, compute_efficiency=compute_efficiency, tp_overlap=tp_overlap,
                             pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
@@ -336,19 +345,33 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     # which step_time costs and parallelize cannot build (Job's rule counts layers only).
     mesh, layers = job.mesh, job.config.num_layers
     chunks_rule = f"pp {mesh.pp} × num_chunks {job.num_chunks} = "
-    found = [problem for problem in job.problems()
+    problems = job.problems()
+    found = [problem for problem in problems
              if not (problem.startswith(chunks_rule) and mesh.pp * job.num_chunks <= layers + 2)]
+    if problems and not found:      # Job checks the schedule only once every other rule holds: check it here
+        found = [p for p in [_schedule_problem(job.schedule, mesh.pp, job.num_microbatches, job.num_chunks)] if p]
     if mesh.pp * job.num_chunks > layers + 2:
         found.append(f"num_chunks={job.num_chunks}: pp {mesh.pp} × v chunks > {layers} layers + embedding + head")
     if found:
         raise ValueError("; ".join(found))
     if job.gpu is None:
         raise ValueError("job.gpu=None: a costed job names its GPU (hardware.GPUS), e.g. gpu='A100 80GB'")
-    if compute_efficiency is not None and not 0 < compute_efficiency <= 1 or any(
-            not 0 <= x <= 1 for x in shares.values()):
-        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] (or None), "
-                         + ", ".join(f"{k}={x}" for k, x in shares.items()) + " in [0, 1]: they are shares")
-    return find_gpu(job.gpu)
+    world, per_node = mesh.size, job.gpus_per_node
+    if world > per_node and world % per_node:
+        raise ValueError(f"a world of {world} GPUs on nodes of gpus_per_node={per_node}: a costed job fills whole "
+                         "nodes (torchrun starts --nproc-per-node ranks on every node) or runs inside one")
+
+    def share(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1
+    if compute_efficiency is not None and not (share(compute_efficiency) and compute_efficiency > 0) or not all(
+            map(share, shares.values())):
+        raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1] (or None), "
+                         + ", ".join(f"{k}={x!r}" for k, x in shares.items()) + " in [0, 1]: they are shares")
+    hw = find_gpu(job.gpu)
+    if job.dtype == "fp64" and hw.name.split()[0] in ("A100", "H100", "H200"):
+        raise ValueError(f"dtype='fp64' on {hw.name}: a GPU is priced at its 16-bit Tensor Cores' rates (fp32 "
+                         "too, a lower bound on its time); fp64 is for the course's parity runs on a CPU")
+    return hw
 
 
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,
@@ -361,7 +384,8 @@ def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_ov
     b, seq_len, e = job.micro_batch_size, job.tokens_per_sequence, job.bytes_per_element
     kernels = dict(micro_batch_size=b, elementwise_ops=elementwise_ops, bytes_per_element=e)
     layer_ops = layer_operations(config, hw, tp=t, sequence_parallel=job.sequence_parallel, seq_len=seq_len, cp=cp,
-                                 recompute=job.recompute, attention=attention, rotary=rotary, **kernels)
+                                 recompute=job.recompute, attention=attention, rotary=rotary,
+                                 capacity_factor=job.capacity_factor, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, seq_len=seq_len // cp,
                                **kernels)
     terms = forward_terms(config, batch_size=b, seq_len=seq_len)
@@ -385,6 +409,7 @@ def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_ov
         compute = (sum(op.seconds for op in ops) if compute_efficiency is None
                    else flops / (compute_efficiency * hw.peak_flops))
         axes = {axis: len(layers) * seconds for axis, seconds in per_layer.items()}
+        axes["tp"] += vocab_seconds(job, hw, stage)
         stages.append((compute, sum(axes.values()), pp_per_microbatch, ops, flops, axes))
     return stages
 

@@ -188,10 +188,25 @@ GPUS = {
 }
 
 
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def find_gpu(name_or_gpu) -> GPU:
     """A GPU of the catalogue by its key ("H100 SXM"), or a GPU given as it is (for one of your own)."""
     if isinstance(name_or_gpu, GPU):
-        return name_or_gpu
+        gpu = name_or_gpu
+        # attention_share is against a fitted matmul peak (course_lib.calibration), which attention may pass
+        rates = {"peak_flops": gpu.peak_flops, "hbm_bytes_per_s": gpu.hbm_bytes_per_s, "memory_bytes": gpu.memory_bytes,
+                 "nvlink.bytes_per_s": gpu.nvlink.bytes_per_s, "network.bytes_per_s": gpu.network.bytes_per_s,
+                 "attention_share": gpu.attention_share}
+        shares = {"matmul_share": gpu.matmul_share, "hbm_share": gpu.hbm_share}
+        bad = [f"{name}={value!r}" for name, value in rates.items() if not _positive(value)]
+        bad += [f"{name}={value!r}" for name, value in shares.items() if not (_positive(value) and value <= 1)]
+        if bad:
+            raise ValueError(f"GPU {gpu.name!r}: {', '.join(bad)}: rates and sizes are positive numbers, "
+                             "matmul_share and hbm_share in (0, 1]")
+        return gpu
     if name_or_gpu not in GPUS:
         raise ValueError(f"unknown GPU {name_or_gpu!r}; the catalogue has {', '.join(GPUS)} "
                          "(or pass a hardware.GPU of your own)")

@@ -48,7 +48,7 @@ from .per_rank import (
 from .pipeline_parallel import bubble_fraction
 from .plan import TIE_SHARE
 from .published import held_out_errors, regime_of
-from .recipes import RESERVE_SHARE, Workload, compare_recipes, size_text, stage_name
+from .recipes import RESERVE_SHARE, Workload, compare_recipes, share_text, size_text, stage_name
 from .units import GiB
 from .virtual import run_rank
 
@@ -307,7 +307,7 @@ def format_report(report: dict) -> str:
               f"{report['sent_bytes_checked']:.1%} of the bytes measured"
              + ("; dp not compared: its gradients are 16-bit there)" if "state_bytes" not in mem["measured"] else ")"),
               f"pipeline bubble: {report['bubble']:.1%}", "",
-              f"step {step['seconds']:.3g} s, {step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.0%}"
+              f"step {step['seconds']:.3g} s, {step['tokens_per_s']:,.0f} tokens/s, MFU {share_text(step['mfu'])}"
               + _overlap_text(step, report["sent_bytes"]),
               "  " + ", ".join(f"{part} {seconds / step['seconds']:.0%}" for part, seconds in step["parts"].items()),
               "  " + _band_text(band), "",

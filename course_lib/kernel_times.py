@@ -72,6 +72,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .eager_traffic import all_but_norms, check_rotary, head_traffic, layer_traffic
+from .feed_forward import capacity
 from .hardware import GPU, GPUS, dimension_factor, matmul_rate
 
 ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
@@ -309,13 +310,15 @@ def attention_square(config, micro_batch_size: int, seq_len: int, tp: int = 1) -
 def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", attention: str = "flash",
                      causal: bool = True, elementwise_ops: str = "fused", rotary: str = "model.py",
-                     bytes_per_element: int = 2, cp: int = 1) -> list[Operation]:
+                     bytes_per_element: int = 2, cp: int = 1, capacity_factor: float | None = None) -> list[Operation]:
     """One transformer layer's operations, forward + backward (+ what ``recompute`` runs again), on one of
     ``tp`` GPUs, for one micro-batch (module docstring; ``elementwise_ops``: one of ELEMENTWISE_OPS; ``rotary``,
     eager_traffic.ROTARY: the rotary an eager run's code writes). With context parallelism (``cp`` > 1) a GPU
     holds seq_len/cp tokens of each sequence, and ring attention gives it 1/cp of the (causal) square in cp
     steps (cp - 1 hops), each on seq_len/cp queries and as many keys: the non-causal rate at that length (of the
-    2cp + 1 chunk pairs a rank computes in course_lib.context_parallel's balanced layout, 2 are diagonal)."""
+    2cp + 1 chunk pairs a rank computes in course_lib.context_parallel's balanced layout, 2 are diagonal). A
+    mixture of experts runs its MLP on E·C rows for T tokens, C its slots per expert at ``capacity_factor``
+    (feed_forward.capacity; the rows the all-to-alls carry): top_k·T at 1, all E·T at None, the course's MoE."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
     if not (isinstance(cp, int) and cp >= 1) or cp > 1 and (attention == "unfused" or seq_len % cp):
@@ -326,7 +329,8 @@ def layer_operations(config, gpu: GPU, *, micro_batch_size: int, seq_len: int, t
     T, d, h_d = b * s, config.hidden, config.head_dim
     widths = weight_widths(config, t)
     q_width, kv_width, mlp_width = widths["q_proj"][1], widths["k_proj"][1], widths["gate_proj"][1]
-    experts = config.top_k if getattr(config, "num_experts", 0) else 1
+    experts = config.num_experts * capacity(T, config.num_experts, config.top_k, capacity_factor) / T \
+        if getattr(config, "num_experts", 0) else 1
     # A recomputed block ("full", or "op": every second matmul, k, o and up, whose outputs it does not keep) runs
     # its elementwise ops again, and the matmuls it reruns a fourth time.
     block_rerun = recompute in ("full", "op")
@@ -410,11 +414,3 @@ def optimizer_operation(gpu: GPU, params: int, grad_bytes: int = 2) -> Operation
     nbytes = params * (gpu.optimizer_bytes_per_param or 26 + 3 * grad_bytes)
     share = 1.0 if gpu.optimizer_bytes_per_param else STREAM_SHARE["optimizer (Adam)"]
     return timed("optimizer (Adam)", gpu, 10 * params, nbytes, rate=gpu.peak_flops, kernels=4, stream_share=share)
-
-
-def summed(ops: list[Operation]) -> dict[str, float]:
-    """Seconds by bound ("compute", "memory", "launch") over ``ops``."""
-    out = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
-    for op in ops:
-        out[op.bound] += op.seconds
-    return out

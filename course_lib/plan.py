@@ -56,6 +56,7 @@ from .recipes import (
     memory_per_gpu,
     need_per_gpu,
     seconds_text,
+    share_text,
     size_text,
     stage_name,
     state_per_gpu,
@@ -117,7 +118,7 @@ class Plan:
                 rows.append([c.recipe, f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {c.num_microbatches}",
                              f"{size_text(c.memory['total'])} of {size_text(c.gpu_bytes)}",
                              size_text(c.memory["state"]), size_text(c.memory["activations"]),
-                             f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.0%}", against])
+                             f"{c.time.tokens_per_s:,.0f}", share_text(c.time.mfu), against])
             out.append(table_html(["recipe", "layout", "busiest GPU", "state", "activations", "tokens/s", "MFU",
                                    "against the fastest"], rows))
         if self.assumed:
@@ -133,7 +134,7 @@ class Plan:
             chunks = f" (interleaved, v = {self.num_chunks})" if self.num_chunks > 1 else ""
             head = (f"dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {name}, m = {self.num_microbatches}: "
                     f"{size_text(self.memory['total'])} per GPU, {self.time.tokens_per_s:,.0f} tokens/s, "
-                    f"MFU {self.time.mfu:.0%}")
+                    f"MFU {share_text(self.time.mfu)}")
         return "\n".join([head] + [f"  {i}. {a}" for i, a in enumerate(self.answers, 1)])
 
 
@@ -324,7 +325,7 @@ def bad_smells(mesh: Mesh, *, gpus_per_node: int = 8, num_microbatches: int | No
                       "and micro-batch would cross the slow network between nodes")
     if mesh.pp > 1 and num_microbatches is not None and num_microbatches < mesh.pp:
         smells.append(f"PP {mesh.pp} stages > {num_microbatches} micro-batches: the bubble is "
-                      f"{bubble_fraction(mesh.pp, num_microbatches):.0%} of the step")
+                      f"{bubble_fraction(mesh.pp, num_microbatches):.0%} of the pipeline's time")
     if zero_stage == 3 and config is not None and gpu_bytes is not None:
         whole = zero_state_bytes(param_count_formula(config), 0, 1)["total"]
         if whole <= gpu_bytes:

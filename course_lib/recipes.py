@@ -142,11 +142,16 @@ class Layout:
         return (f"{recipe}: dp {m.dp} × tp {m.tp} × pp {m.pp}{chunks}, {zero}, m = {self.num_microbatches}: "
                 f"{size_text(mem['total'])} of {size_text(self.gpu_bytes)} (state {size_text(mem['state'])} + activations "
                 f"{size_text(mem['activations'])} + reserve {size_text(mem['reserve'])}), "
-                f"{self.time.tokens_per_s:,.0f} tokens/s, MFU {self.time.mfu:.0%}")
+                f"{self.time.tokens_per_s:,.0f} tokens/s, MFU {share_text(self.time.mfu)}")
 
 
 def size_text(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
+
+
+def share_text(share: float) -> str:
+    """A share as a percentage a reader can tell from zero: "58%", or "0.031%" for a launch-bound toy."""
+    return f"{share:.0%}" if share >= 0.01 else f"{100 * share:.2g}%"
 
 
 def seconds_text(seconds: float) -> str:

@@ -540,6 +540,51 @@ def test_bad_input_is_refused():
         costed(config, Mesh(tp=3), **kw)
 
 
+def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
+    """Rules step_time adds to the Job's: the schedule's own (Job checks it only once every other rule holds, and
+    step_time lets Llama 3's L + 2 chunks through), whole nodes or part of one (part of one: every group on
+    NVLink), fp64 refused on a GPU (its rates are 16-bit Tensor Cores'), shares that are numbers, not flags."""
+    tiny, seven = preset("tiny"), preset("llama2-7b")
+    for schedule, m, chunks, says in (("1f1b", 4, 3, "schedule='1f1b' runs one chunk per stage"),
+                                      ("interleaved", 3, 3, "num_microbatches=3 to be a multiple of num_stages=2")):
+        job = Job(tiny, Mesh(pp=2), seq_len=64, num_microbatches=m, num_chunks=chunks, schedule=schedule,
+                  gpu="H100 SXM")
+        assert job.problems() and not any(says in problem for problem in job.problems())
+        for sends in ("blocking", "async"):
+            with pytest.raises(ValueError, match=says):
+                step_time(job, pipeline_sends=sends)
+    kw = dict(gpu="H100 SXM", seq_len=4096)
+    in_part = step_time(Job(seven, Mesh(dp=3, tp=2), **kw))          # 6 GPUs of an 8-GPU node
+    assert in_part.links["dp"] == GPUS["H100 SXM"].nvlink.name
+    assert in_part.total_s == step_time(Job(seven, Mesh(dp=3, tp=2), gpus_per_node=6, **kw)).total_s
+    with pytest.raises(ValueError, match="a world of 12 GPUs on nodes of gpus_per_node=8: a costed job fills whole"):
+        step_time(Job(seven, Mesh(dp=12), **kw))
+    with pytest.raises(ValueError, match="dtype='fp64' on H100 SXM 80GB"):
+        step_time(Job(seven, Mesh(dp=8), dtype="fp64", **kw))
+    for flag in (True, "0.5"):
+        with pytest.raises(ValueError, match=f"dp_overlap={flag!r}"):
+            step_time(Job(seven, Mesh(dp=8), **kw), dp_overlap=flag)
+    h100 = GPUS["H100 SXM"]
+    for bad, says in ((dict(peak_flops=0), "peak_flops=0"), (dict(hbm_share=1.5), "hbm_share=1.5"),
+                      (dict(network=dataclasses.replace(h100.network, bytes_per_s=-1.0)), "network.bytes_per_s=-1.0")):
+        with pytest.raises(ValueError, match=f"GPU 'H100 SXM 80GB': {says}: rates and sizes are positive"):
+            step_time(Job(seven, Mesh(dp=8), seq_len=4096, gpu=dataclasses.replace(h100, **bad)))
+
+
+def test_a_vocab_parallel_embedding_and_head_send_what_per_rank_counts():
+    """The first stage's lookup all-reduce and the last stage's loss and head-input all-reduces are in tp_s, at the
+    bytes per_rank counts (a GPU of unit bandwidth and no latency turns seconds into bytes)."""
+    unit = dataclasses.replace(GPUS["H100 SXM"], nvlink=dataclasses.replace(GPUS["H100 SXM"].nvlink, bytes_per_s=1.0),
+                               nccl_rings=False)
+    unit = dataclasses.replace(unit, nvlink=dataclasses.replace(unit.nvlink, alpha_s=0.0))
+    for mesh in (Mesh(dp=1, tp=8), Mesh(tp=2, pp=4)):
+        job = Job(preset("llama2-7b"), mesh, gpu=unit, seq_len=4096, num_microbatches=8, vocab_parallel=True)
+        stages = [sent_bytes_per_rank(job, stage)["tp"] for stage in range(mesh.pp)]
+        assert step_time(job).tp_s == pytest.approx(max(stages), rel=1e-12)
+        without = step_time(job.replace(vocab_parallel=False)).tp_s
+        assert step_time(job).tp_s > without
+
+
 # ---------------------------------------------------------------------------------------- roofline
 
 def test_roofline_of_one_layer():
@@ -620,6 +665,26 @@ def test_korthikanti_layer_times():
                                                                     "loss (softmax cross-entropy)"))
     layer = (step.compute_s - head + step.tp_s) / 48
     assert layer == pytest.approx(20.3e-3, rel=0.10)
+
+
+def test_the_experts_gemms_run_the_rows_their_all_to_alls_carry():
+    """Each GPU's experts run E·C rows for its T tokens (C: feed_forward.capacity at the job's factor), the rows
+    the all-to-alls carry: top_k·T at capacity 1 (a dropless framework's routed rows), twice that at 2, all E·T
+    at None (the course's MoE pads every expert's buffer to all the tokens and runs it whole)."""
+    config, hw = preset("mixtral-8x7b"), GPUS["H100 SXM"]
+    expert_ops = ("gate_proj", "up_proj", "down_proj", "SwiGLU products")
+
+    def expert_flops(capacity_factor):
+        ops = layer_operations(config, hw, micro_batch_size=1, seq_len=4096, capacity_factor=capacity_factor)
+        return sum(op.flops for op in ops if op.name in expert_ops)
+    dense = layer_operations(preset("mixtral-8x7b", num_experts=0), hw, micro_batch_size=1, seq_len=4096)
+    one_mlp = sum(op.flops for op in dense if op.name in expert_ops)
+    assert expert_flops(1.0) == pytest.approx(config.top_k * one_mlp, rel=1e-12)
+    assert expert_flops(2.0) == pytest.approx(2 * config.top_k * one_mlp, rel=1e-12)
+    assert expert_flops(None) == pytest.approx(config.num_experts * one_mlp, rel=1e-12)
+    kw = dict(gpu="H100 SXM", seq_len=4096, zero_stage=3, data_parallel=False)
+    padded, routed = (step_time(Job(config, Mesh(dp=8, ep=8), capacity_factor=c, **kw)) for c in (None, 1.0))
+    assert padded.compute_s > 2 * routed.compute_s and padded.mfu < routed.mfu
 
 
 def test_a_mixture_of_experts_costs_the_flops_of_its_active_experts():

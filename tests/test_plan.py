@@ -208,3 +208,11 @@ def test_the_planner_hides_dp_traffic_as_each_framework_schedules_it():
     assert FSDP_OVERLAP == DDP_OVERLAP == 0.5
     hidden = cost_layout("ZeRO", config, mesh, 3, workload, gpu_bytes=80 * GiB, dp_overlap=1.0)   # stated: used
     assert hidden.time.dp_s < cost_layout("ZeRO", config, mesh, 3, workload, gpu_bytes=80 * GiB).time.dp_s
+
+
+def test_a_launch_bound_toys_mfu_is_printed_as_what_it_is_not_as_zero():
+    """The tiny model on 8 A100s runs at a few hundredths of a percent of the peak: its plan says so, not 'MFU 0%'."""
+    small = plan(preset("tiny"), num_gpus=8, gpu_bytes=24 * GiB, workload=Workload(global_batch_size=64))
+    assert small.time.mfu < 0.01
+    assert f"MFU {100 * small.time.mfu:.2g}%" in str(small) and "MFU 0%" not in str(small)
+    assert "MFU 0%" not in str(plan(preset("tiny"), num_gpus=8, gpu_bytes=24 * GiB))

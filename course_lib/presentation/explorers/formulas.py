@@ -9,7 +9,7 @@ from ...ledger import CONVENTIONS, activation_bytes, gpt_activation_bytes, zero_
 from ...mesh import Mesh
 from ...model import ModelConfig, param_count_formula, preset
 from ...plan import bad_smells, plan
-from ...recipes import RESERVE_SHARE, Workload, memory_parts, memory_per_gpu, stage_name, state_per_gpu
+from ...recipes import RESERVE_SHARE, Workload, memory_parts, memory_per_gpu, share_text, stage_name, state_per_gpu
 from ...units import GiB
 from ...zero_bytes import wire_bytes_per_step
 from .. import plots
@@ -247,11 +247,11 @@ def _print_plan(chosen_plan, config, per_node: int, card) -> None:
     chosen layout and the reserve the planner keeps."""
     print(chosen_plan)
     if chosen_plan.candidates:
-        print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>4}")
+        print(f"\n{'recipe':17} {'best layout':30} {'busiest GPU':>12}  {'fits':4} {'tokens/s':>10} {'MFU':>6}")
         for c in chosen_plan.candidates:
             print(f"{c.recipe:17} {_layout_text(c.mesh, c.zero_stage, c.num_chunks) + f', m = {c.num_microbatches}':30} "
                   f"{format_bytes(c.memory['total']):>12}  {'yes' if c.fits else 'no':4} "
-                  f"{c.time.tokens_per_s:>10,.0f} {c.time.mfu:>4.0%}")
+                  f"{c.time.tokens_per_s:>10,.0f} {share_text(c.time.mfu):>6}")
     if chosen_plan.fits:
         for smell in bad_smells(chosen_plan.mesh, gpus_per_node=per_node, zero_stage=chosen_plan.zero_stage,
                                 num_microbatches=chosen_plan.num_microbatches, config=config,
