@@ -256,10 +256,14 @@ def better_layouts(read: ReadConfig, tokens_per_s: float, fits: bool) -> list[di
             runnable = not (read.framework == "torchtitan" and layout.mesh.pp > 1 and layout.job.reshard_after_backward)
             if runnable and layout.recipe in recipes and layout.zero_stage in stages and layout.fits and (
                     not fits or layout.time.tokens_per_s > (1 + TIE_SHARE) * tokens_per_s):
+                try:
+                    change = read.changes(layout.job)
+                except ValueError:       # a layout the framework's keys cannot write (Megatron: uneven stages)
+                    continue
                 found.append({"recipe": layout.recipe, "layout": str(layout).split(": ", 1)[1],
                               "tokens_per_s": layout.time.tokens_per_s,
                               "speedup": layout.time.tokens_per_s / tokens_per_s,
-                              "memory": layout.memory["total"], "change": read.changes(layout.job)})
+                              "memory": layout.memory["total"], "change": change})
     return sorted(found, key=lambda alt: -alt["tokens_per_s"])[:BETTER]
 
 

@@ -129,13 +129,12 @@ def test_torchtitan_memory_bound_ops_as_the_file_runs_them(tmp_path, model, rest
 
 
 def test_torchtitan_reduces_fp32_gradients_under_fsdp2_and_ddp(tmp_path):
-    """torchtitan's FSDP2 reduces 16-bit gradients in fp32 (mixed_precision_reduce, its default); its DDP keeps fp32
-    parameters under autocast, so its gradients are fp32 whatever that key says: the step time counts 4 bytes a
-    gradient element for both, and the report gives the framework's byte count beside the course's."""
+    """torchtitan's FSDP2 reduces 16-bit gradients in fp32 (mixed_precision_reduce, its default and only value); its
+    DDP keeps fp32 parameters under autocast, so its gradients are fp32 (that key is FSDP2's): the step time counts
+    4 bytes a gradient element for both, and the report gives the framework's byte count beside the course's."""
     for parallelism, stage in (("data_parallel_shard_degree = 8", 3),
                                ("data_parallel_replicate_degree = 8\ndata_parallel_shard_degree = 1", 0)):
-        ddp_key = '[training]\nmixed_precision_reduce = "bfloat16"\n' if stage == 0 else ""   # FSDP2's key only
-        (tmp_path / "t.toml").write_text(f'[model]\nflavor = "8B"\n[parallelism]\n{parallelism}\n{ddp_key}')
+        (tmp_path / "t.toml").write_text(f'[model]\nflavor = "8B"\n[parallelism]\n{parallelism}\n')
         read = read_config(tmp_path / "t.toml", num_gpus=8)
         assert (read.job.zero_stage, read.job.dtype, read.assumptions["grad_reduce_bytes"]) == (stage, "bf16", 4)
         report = job_report(read, alternatives=False)
@@ -275,7 +274,8 @@ BAD = {
     "global.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
                   "--micro-batch-size 3 --global-batch-size 10", ["--gpus", "2"], "--global-batch-size 10"),
     "stages.sh": ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
-                  "--pipeline-model-parallel-size 8", ["--gpus", "8"], "pp 8 stages > 4 layers"),
+                  "--pipeline-model-parallel-size 8", ["--gpus", "8"],
+                  "--num-layers 4 is not divisible by --pipeline-model-parallel-size 8: every stage holds as many"),
     "mismatch.json": ('{"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}',
                       ["--gpus", "8", "--model", "llama2-7b"], "train_batch_size = 100"),
     "auto.json": ('{"train_micro_batch_size_per_gpu": "auto"}', ["--gpus", "8", "--model", "llama2-7b"], '"auto"'),
@@ -303,6 +303,28 @@ BAD = {
     "selfref.sh": ("A=$A$A$A$A$A$A$A$A$A$A$A$A$A$A$A$A\n--num-layers $A --hidden-size 64", ["--gpus", "1"],
                    "must be a whole number"),        # expanded once, not 16**5 times
     "typo_world.toml": ("", ["--gpus", "1000000000"], "more than the 131,072 GPUs"),
+    # rules each framework checks before it starts (Megatron's arguments.py, torchtitan's pipeline_parallel.py and
+    # config, DeepSpeed's engine): the reader names them instead of reporting a run that cannot start
+    "uneven_chunks.sh": ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                         "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3", ["--gpus", "2"],
+                         "4 layers per pipeline rank do not split into --num-virtual-stages-per-pipeline-rank 3"),
+    "positions.sh": ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+                     "--max-position-embeddings 64", ["--gpus", "1"], "--max-position-embeddings 64 < --seq-length 128"),
+    "selectivemethod.sh": ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                           "--recompute-granularity selective --recompute-method uniform", ["--gpus", "1"],
+                           "--recompute-method uniform with selective recomputation"),
+    "stages.toml": ('[model]\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 4\n'
+                    'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_layers_per_stage = 4\n',
+                    ["--gpus", "8"], "ceil((32 layers + embedding + head) / 4) = 9 stages over"),
+    "reduce.toml": ('[model]\nflavor = "8B"\n[training]\nmixed_precision_reduce = "flaot32"\n', ["--gpus", "8"],
+                    "mixed_precision_reduce = 'flaot32': torchtitan takes only 'float32'"),
+    "globalbatch.toml": ('[model]\nflavor = "8B"\n[training]\nglobal_batch_size = 0\n', ["--gpus", "8"],
+                         "global_batch_size = 0: must be a whole number"),
+    "both.json": ('{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true}, "fp16": {"enabled": true}}',
+                  ["--gpus", "8", "--model", "llama2-7b", "--seq-len", "1024"], "bf16.enabled and fp16.enabled both"),
+    "accum.json": ('{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true}, "data_types": '
+                   '{"grad_accum_dtype": "fp32"}}', ["--gpus", "8", "--model", "llama2-7b", "--seq-len", "1024"],
+                   "grad_accum_dtype = 'fp32' with bf16 weights and no ZeRO: DeepSpeed refuses the mix"),
     "nnodes.sh": ("torchrun --nproc_per_node 8 --nnodes 1000000000 pretrain_gpt.py --num-layers 4 --hidden-size 64 "
                   "--num-attention-heads 4 --seq-length 64", [], "more than the 131,072"),
 }
@@ -424,6 +446,25 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
         with pytest.raises(ConfigError, match=f"--overlap-param-gather without {missing}: Megatron-LM's arguments.py "
                                               "asserts"):
             read_config(bad, num_gpus=8)
+
+
+def test_megatron_layouts_are_offered_only_where_its_layers_divide(tmp_path):
+    """Megatron gives every stage and chunk as many layers: a layout where they do not divide is not written back
+    (spell raises), and the better layouts of a 60-layer model all divide; a file that recomputes by
+    --recompute-activations is told to drop it when a layout recomputes otherwise (it wins over a granularity)."""
+    script = LLAMA3_8B_MEGATRON.replace("--num-layers 32", "--num-layers 60").replace(
+        "--recompute-granularity full --recompute-method uniform\n--recompute-num-layers 1", "--recompute-activations")
+    path = tmp_path / "sixty.sh"
+    path.write_text(script + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4")
+    read = read_config(path, num_gpus=64)
+    assert read.job.recompute == "selective"
+    with pytest.raises(ValueError, match="60 layers over pp 4 × 2 chunks"):
+        read.changes(read.job.replace(num_chunks=2, schedule="interleaved"))
+    assert "remove --recompute-activations" in read.changes(read.job.replace(recompute="full"))
+    for layout in job_report(read)["better"]:
+        pp = int(layout["layout"].split("pp ")[1].split()[0])
+        chunks = int(layout["layout"].split("v = ")[1].split(")")[0]) if "v = " in layout["layout"] else 1
+        assert 60 % (pp * chunks) == 0, layout["layout"]
 
 
 def test_deepspeeds_communication_data_type_is_read(tmp_path):

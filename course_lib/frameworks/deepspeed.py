@@ -32,12 +32,14 @@ from .huggingface import load_model
 
 READ = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
         "bf16", "bfloat16", "fp16", "activation_checkpointing", "pipeline", "tensor_parallel", "sequence_parallel_size",
-        "communication_data_type"}
+        "communication_data_type", "data_types"}
 NO_EFFECT = {"optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
              "prescale_gradients", "gradient_predivide_factor", "tensorboard", "wandb", "csv_monitor",
              "flops_profiler", "comms_logger", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-             "dump_state", "memory_breakdown", "data_types", "seed", "checkpoint",
+             "dump_state", "memory_breakdown", "seed", "checkpoint",
              "aio", "elasticity"}
+DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+               "bf16": "bf16", "bfloat16": "bf16"}      # data_types' names (DeepSpeed's DtypeEnum)
 ZERO_READ = {"stage", "overlap_comm", "offload_optimizer", "offload_param"}
 ZERO_NO_EFFECT = {"contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "allgather_partitions",
                   "reduce_scatter", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
@@ -147,7 +149,19 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         raise ConfigError(f"zero_optimization.stage = {stage} with pipeline.stages = {pp}: DeepSpeed runs ZeRO-1 "
                           "at most beside a pipeline (stages 2 and 3 would reduce every micro-batch)")
     micro, accumulation, dp = _batch(ds, num_gpus, tp * pp)
+    if _enabled(ds, "bf16", "bfloat16") and _enabled(ds, "fp16"):
+        raise ConfigError("bf16.enabled and fp16.enabled both true: DeepSpeed takes one (its config refuses both)")
     precision = "bf16" if _enabled(ds, "bf16", "bfloat16") else "fp16" if _enabled(ds, "fp16") else "fp32"
+    accum = _section(ds, "data_types").get("grad_accum_dtype")
+    if accum is not None and accum not in DTYPE_NAMES:
+        raise ConfigError(f"data_types.grad_accum_dtype = {accum!r}: one of {', '.join(DTYPE_NAMES)}")
+    if accum is not None and DTYPE_NAMES[accum] != precision:      # engine.py's _do_optimizer_sanity_check
+        if stage == 0:
+            raise ConfigError(f"data_types.grad_accum_dtype = {accum!r} with {precision} weights and no ZeRO: "
+                              "DeepSpeed refuses the mix")
+        not_modelled.append(f"data_types.grad_accum_dtype = {accum!r}: gradients accumulated in {accum} beside the "
+                            f"{precision} weights (with bf16 and ZeRO-1, DeepSpeed's BF16_Optimizer and its whole fp32 "
+                            "gradient buffer): counted as the ZeRO paper's 16 bytes per parameter")
     reduce_bytes = _communication_bytes(ds.get("communication_data_type"), precision)
     conventions = ["the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes per parameter"
                    if precision != "fp32" else "fp32 Adam: 4 + 4 + 8 bytes per parameter"]

@@ -100,10 +100,16 @@ CP_OVERLAP = 1.0   # Transformer Engine's p2p ring attention: each hop beside th
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
-def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = False) -> dict[str, str]:
+def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = False,
+          recompute_activations: bool = False) -> dict[str, str]:
     """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it).
     ``virtual_stages``: the file gives interleaving as --num-virtual-stages-per-pipeline-rank, not as layers;
-    ``overlap_param_gather``: the file sets it, which a layout without the distributed optimizer must drop."""
+    ``overlap_param_gather``: the file sets it, which a layout without the distributed optimizer must drop;
+    ``recompute_activations``: the file recomputes by --recompute-activations, which wins over a granularity.
+    A layout Megatron cannot run (layers that do not divide over the stages and chunks) raises ValueError."""
+    if job.config.num_layers % (job.mesh.pp * job.num_chunks):
+        raise ValueError(f"{job.config.num_layers} layers over pp {job.mesh.pp} × {job.num_chunks} chunks: Megatron "
+                         "gives every stage and chunk as many layers")
     if virtual_stages:
         interleaving = {"--num-virtual-stages-per-pipeline-rank": str(job.num_chunks) if job.num_chunks > 1 else "(off)"}
     else:
@@ -116,7 +122,9 @@ def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = F
             "--sequence-parallel": "(on)" if job.sequence_parallel else "(off)",
             "--use-distributed-optimizer": "(on)" if job.zero_stage == 1 else "(off)",
             **({"--overlap-param-gather": "(on)" if job.zero_stage == 1 else "(off)"} if overlap_param_gather
-               else {})}
+               else {}),
+            **({"--recompute-activations": "(on)" if job.recompute == "selective" else "(off)"} if
+               recompute_activations else {})}
 
 
 def arguments(text: str) -> list[str]:
@@ -256,6 +264,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     virtual_stages = "num-virtual-stages-per-pipeline-rank" in args
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
                       functools.partial(spell, virtual_stages=virtual_stages,
+                                        recompute_activations=bool(args.get("recompute-activations")),
                                         overlap_param_gather=overlap_param_gather),
                       assumptions=dict(dp_overlap=DDP_OVERLAP if args.get("overlap-grad-reduce") else 0.0,
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
@@ -304,6 +313,9 @@ def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[s
                  "moe-router-topk", "max-position-embeddings"):
         if name in args:
             whole(f"--{name}", args[name])
+    if args.get("max-position-embeddings", args["seq-length"]) < args["seq-length"]:
+        raise ConfigError(f"--max-position-embeddings {args['max-position-embeddings']} < --seq-length "
+                          f"{args['seq-length']}: Megatron-LM needs a position for every token of a sequence")
     hidden, heads, layers = args["hidden-size"], args["num-attention-heads"], args["num-layers"]
     if args.get("kv-channels", hidden // heads) * heads != hidden:
         raise ConfigError(f"--kv-channels {args.get('kv-channels', hidden / heads):g} × --num-attention-heads {heads} "
@@ -364,9 +376,17 @@ def _left_out(args: dict, config: ModelConfig, ffn: int) -> list[str]:
 
 def _chunks(args: dict, layers: int, pp: int) -> int:
     """v, the model chunks per pipeline rank: --num-virtual-stages-per-pipeline-rank, or the layers per rank
-    over --num-layers-per-virtual-pipeline-stage."""
+    over --num-layers-per-virtual-pipeline-stage; every stage, and every chunk, holds as many layers (Megatron's
+    arguments.py and transformer_block.py assert it)."""
+    if layers % pp:
+        raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}: every "
+                          "stage holds as many layers")
     if "num-virtual-stages-per-pipeline-rank" in args:
-        return whole("--num-virtual-stages-per-pipeline-rank", args["num-virtual-stages-per-pipeline-rank"])
+        chunks = whole("--num-virtual-stages-per-pipeline-rank", args["num-virtual-stages-per-pipeline-rank"])
+        if (layers // pp) % chunks:
+            raise ConfigError(f"{layers // pp} layers per pipeline rank do not split into "
+                              f"--num-virtual-stages-per-pipeline-rank {chunks}: every chunk holds as many layers")
+        return chunks
     if "num-layers-per-virtual-pipeline-stage" not in args:
         return 1
     per_chunk = whole("--num-layers-per-virtual-pipeline-stage", args["num-layers-per-virtual-pipeline-stage"])
@@ -384,6 +404,9 @@ def _recompute(args: dict, not_modelled: list[str]) -> str:
         return "none"
     if granularity not in ("full", "selective"):
         raise ConfigError(f"--recompute-granularity {granularity}: full or selective")
+    if granularity == "selective" and args.get("recompute-method"):
+        raise ConfigError(f"--recompute-method {args['recompute-method']} with selective recomputation: Megatron-LM "
+                          "takes a method only with --recompute-granularity full")
     if granularity == "full":
         method, layers = args.get("recompute-method"), args.get("recompute-num-layers")
         if method not in ("uniform", "block") or layers is None:

@@ -50,6 +50,7 @@ READ = {
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
                     "context_parallel_degree", "expert_parallel_degree", "fsdp_reshard_after_forward",
+                    "pipeline_parallel_layers_per_stage",
                     "disable_loss_parallel"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "components", "backend"},
@@ -57,10 +58,10 @@ READ = {
 IGNORED_SECTIONS = {"profiling", "metrics", "optimizer", "lr_scheduler", "checkpoint", "comm", "validation",
                     "fault_tolerance", "experimental", "memory_estimation", "debug"}   # nothing in them counted here
 NO_EFFECT = {
-    "job": {"dump_folder", "description", "print_args", "use_for_integration_test"},
+    "job": {"dump_folder", "description", "print_args", "print_config", "use_for_integration_test"},
     "model": {"tokenizer_path", "hf_assets_path", "converters", "print_after_conversion"},
     "training": {"steps", "max_norm", "dataset", "dataset_path", "seed", "deterministic", "warmup_steps",
-                 "gc_freq", "gc_debug"},
+                 "gc_freq", "gc_debug", "dataloader"},
     "parallelism": {"pipeline_parallel_split_points", "context_parallel_rotate_method",
                     "pipeline_parallel_schedule_csv", "expert_tensor_parallel_degree"},
     "activation_checkpoint": {"per_op_sac_force_recompute_mm_shapes_by_fqns", "preserve_rng_state",
@@ -177,7 +178,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                           f"pipeline_parallel_microbatch_size = {micro}: the pipeline cuts each rank's batch into "
                           "whole micro-batches")
     global_batch = training.get("global_batch_size", -1)
-    explicit = isinstance(global_batch, int) and not isinstance(global_batch, bool) and global_batch > 0
+    explicit = global_batch != -1                                  # torchtitan's -1: local_batch_size × dp
     global_batch = whole("[training] global_batch_size", global_batch) if explicit else local * dp
     if global_batch % (local * dp):
         raise ConfigError(f"[training] global_batch_size = {global_batch} is not divisible by local_batch_size "
@@ -197,6 +198,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     zero_stage, reshard = _sharding(mesh, sharded, conventions,
                                     _text(parallel, "fsdp_reshard_after_forward", "default", "parallelism"))
     reduce = _text(training, "mixed_precision_reduce", "float32", "training")
+    if reduce != "float32":
+        raise ConfigError(f"[training] mixed_precision_reduce = {reduce!r}: torchtitan takes only 'float32'")
     param = _text(training, "mixed_precision_param", "bfloat16", "training")
     if param not in ("bfloat16", "float32"):
         raise ConfigError(f"[training] mixed_precision_param = {param!r}: bfloat16 or float32")
@@ -318,17 +321,21 @@ def _schedule(parallel: dict, mesh: Mesh, num_layers: int, conventions: list[str
                           f"{', '.join(SCHEDULE_NAMES.values())} (zero-bubble, looped BFS and DualPipeV are not "
                           "modelled)")
     schedule = SCHEDULES[name.lower()]
-    if schedule != "interleaved":
-        return schedule, 1
     per_stage = parallel.get("pipeline_parallel_layers_per_stage")
     if per_stage is None:
-        conventions.append("Interleaved1F1B: 2 stages per rank (torchtitan's default split of the layers)")
-        return schedule, 2
+        if schedule == "interleaved":
+            conventions.append("Interleaved1F1B: 2 stages per rank (torchtitan's default split of the layers)")
+        return schedule, 2 if schedule == "interleaved" else 1
+    # torchtitan's pipeline_parallel: ceil((layers + 1 + 1) / layers_per_stage) stages, the embedding and the head
+    # weighing a layer each; a whole number per rank, exactly 1 for a one-stage schedule, 2 or more interleaved
     per_stage = whole("[parallelism] pipeline_parallel_layers_per_stage", per_stage)
-    if num_layers % (mesh.pp * per_stage):
-        raise ConfigError(f"{num_layers} layers do not split into pipeline_parallel_degree {mesh.pp} × "
-                          f"layers_per_stage {per_stage}: each rank holds the same number of stages")
-    return schedule, num_layers // (mesh.pp * per_stage)
+    stages = -(-(num_layers + 2) // per_stage)
+    need = "2 or more" if schedule == "interleaved" else f"exactly 1 for {name}"
+    if stages % mesh.pp or (stages // mesh.pp >= 2) != (schedule == "interleaved"):
+        raise ConfigError(f"[parallelism] pipeline_parallel_layers_per_stage = {per_stage}: ceil(({num_layers} layers "
+                          f"+ embedding + head) / {per_stage}) = {stages} stages over pipeline_parallel_degree "
+                          f"{mesh.pp}; torchtitan needs a whole number per rank, {need}")
+    return schedule, stages // mesh.pp
 
 
 def _recompute(checkpointing: dict, not_modelled: list[str]) -> str:

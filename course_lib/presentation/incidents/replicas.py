@@ -49,18 +49,18 @@ def unsynced_init(rank: int, world_size: int, *, fixed: bool = False, sync=None)
     return {"checksums": checksums(model, comm), "losses": losses, "weights": flat(model)}
 
 
-def first_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+def rows_as_written(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """The bug: "a batch of len(batch) / world_size rows", the same first rows on every rank."""
     return batch[:len(batch) // world_size]
 
 
 def same_batch(rank: int, world_size: int, *, fixed: bool = False, rows_of=None) -> dict:
     """Data parallelism where each rank takes ``rows_of(batch, rank, world_size)`` of every step's global batch
-    (default: first_rows, the bug, or data.shard, this rank's own slice, if ``fixed``).
+    (default: rows_as_written, the bug, or data.shard, this rank's own slice, if ``fixed``).
 
     With the bug the world trains on a world_size-th of the data, each step averaging identical gradients; the
     replicas agree and the run is simply worse."""
-    rows_of = rows_of or (shard if fixed else first_rows)
+    rows_of = rows_of or (shard if fixed else rows_as_written)
     model, optimizer, data = tiny()
     comm = Comm()
     losses = []
