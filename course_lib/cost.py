@@ -136,7 +136,7 @@ from .collective_times import (
 )
 from .hardware import GPU, collective_link, find_gpu, link_for
 from .job import Job, _schedule_problem
-from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
+from .kernel_times import FAMILIES, Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .model import ModelConfig, param_count_formula
 from .per_rank import data_parallel_state_bytes
@@ -368,7 +368,7 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
         raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1] (or None), "
                          + ", ".join(f"{k}={x!r}" for k, x in shares.items()) + " in [0, 1]: they are shares")
     hw = find_gpu(job.gpu)
-    if job.dtype == "fp64" and hw.name.split()[0] in ("A100", "H100", "H200"):
+    if job.dtype == "fp64" and hw.name.split()[0] in FAMILIES:       # the catalogue's cards
         raise ValueError(f"dtype='fp64' on {hw.name}: a GPU is priced at its 16-bit Tensor Cores' rates (fp32 "
                          "too, a lower bound on its time); fp64 is for the course's parity runs on a CPU")
     return hw

@@ -214,10 +214,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         conventions.append("FSDP2 keeps fp32 shards (4 + 4 + 8 bytes per parameter); counted as mixed-precision "
                            "Adam (2 + 2 + 12): the same 16 bytes per parameter, all sharded"
                            + ("; gradients reduced in fp32 (mixed_precision_reduce): the report shows both dp byte "
-                              "counts, and the step time counts these" if dtype == "bf16" and reduce == "float32"
-                              else ""))
-    ddp_fp32_grads = zero_stage != 3 and mesh.dp > 1 and dtype == "bf16"
-    if ddp_fp32_grads:
+                              "counts, and the step time counts these" if dtype == "bf16" else ""))
+    if zero_stage != 3 and mesh.dp > 1 and dtype == "bf16":
         conventions.append("DDP under autocast: torchtitan keeps fp32 parameters, so its gradients are fp32 and "
                            "reduced in fp32; counted as mixed-precision state, the step time counts the fp32 bytes")
     if mesh.cp > 1:
@@ -241,9 +239,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       assumptions=dict(
                           dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic half hidden, as its published runs fit
-                          # fp32 reductions: FSDP2's reduce_dtype (mixed_precision_reduce, float32 in torchtitan's
-                          # config), for this job and the FSDP layouts it suggests; its DDP's fp32 gradients
-                          grad_reduce_bytes=4 if reduce == "float32" or ddp_fp32_grads else None,
+                          # fp32 reductions: FSDP2's reduce_dtype (mixed_precision_reduce, float32, the only value
+                          # torchtitan takes), for this job and the FSDP layouts it suggests; its DDP's fp32 gradients
+                          grad_reduce_bytes=4,
                           elementwise_ops=elementwise_ops,   # eager: rotary as torchtitan's apply_rotary_emb writes it
                           rotary="model.py" if elementwise_ops == "fused" else TORCHTITAN_ROTARY))
 
