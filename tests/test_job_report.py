@@ -318,6 +318,8 @@ BAD = {
                     ["--gpus", "8"], "ceil((32 layers + embedding + head) / 4) = 9 stages over"),
     "reduce.toml": ('[model]\nflavor = "8B"\n[training]\nmixed_precision_reduce = "flaot32"\n', ["--gpus", "8"],
                     "mixed_precision_reduce = 'flaot32': torchtitan takes only 'float32'"),
+    "tpcp.toml": ('[model]\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\ncontext_parallel_degree = 2\n',
+                  ["--gpus", "8"], "tensor_parallel_degree = 2 with context_parallel_degree = 2: torchtitan's TP plan"),
     "globalbatch.toml": ('[model]\nflavor = "8B"\n[training]\nglobal_batch_size = 0\n', ["--gpus", "8"],
                          "global_batch_size = 0: must be a whole number"),
     "both.json": ('{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true}, "fp16": {"enabled": true}}',

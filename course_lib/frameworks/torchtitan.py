@@ -303,6 +303,10 @@ def _mesh(parallel: dict, num_gpus: int | None) -> tuple[Mesh, bool]:
     if degree["ep"] > 1:
         raise ConfigError(f"[parallelism] expert_parallel_degree = {degree['ep']}: the llama models here have no "
                           "experts (torchtitan's MoE families are not modelled)")
+    if degree["tp"] > 1 and degree["cp"] > 1:
+        raise ConfigError(f"[parallelism] tensor_parallel_degree = {degree['tp']} with context_parallel_degree = "
+                          f"{degree['cp']}: torchtitan's TP plan shards the norms by sequence (sequence parallelism), "
+                          "which the course does not combine with ring attention: not modelled")
     sharded = shard * degree["cp"] > 1
     mesh = Mesh(dp=shard * degree["dp_replicate"], tp=degree["tp"], pp=degree["pp"], cp=degree["cp"],
                 dp_replicate=degree["dp_replicate"] if sharded else 1)
