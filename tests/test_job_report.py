@@ -469,6 +469,25 @@ def test_megatron_layouts_are_offered_only_where_its_layers_divide(tmp_path):
         assert 60 % (pp * chunks) == 0, layout["layout"]
 
 
+def test_deepspeeds_other_stages_keep_the_overlap_they_were_timed_with(tmp_path):
+    """A DeepSpeed layout is timed with the file's overlap_comm; DeepSpeed's default is on for stage 3 only, so a
+    suggestion at another stage writes the key where its default would differ, and only there."""
+    def read(zero):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                                    "bf16": {"enabled": True}, "zero_optimization": zero}))
+        return read_config(path, num_gpus=8, model="llama2-7b", seq_len=1024)
+    three, one, one_on = read({"stage": 3}), read({"stage": 1}), read({"stage": 1, "overlap_comm": True})
+    assert (three.assumptions["dp_overlap"] > 0, one.assumptions["dp_overlap"]) == (True, 0.0)
+    assert three.changes(three.job.replace(zero_stage=1)) == ["zero_optimization.stage = 1",
+                                                              "zero_optimization.overlap_comm = true"]
+    assert one.changes(one.job.replace(zero_stage=3)) == ["zero_optimization.stage = 3",
+                                                          "zero_optimization.overlap_comm = false"]
+    assert one_on.changes(one_on.job.replace(zero_stage=3)) == ["zero_optimization.stage = 3"]   # its default
+    assert three.changes(three.job.replace(micro_batch_size=2, num_microbatches=4)) == [
+        "train_micro_batch_size_per_gpu = 2", "gradient_accumulation_steps = 4"]
+
+
 def test_deepspeeds_communication_data_type_is_read(tmp_path):
     """DeepSpeed reduces gradients in the training dtype unless communication_data_type names another (its
     config.py and engine): 'fp32' under bf16 makes the step's reductions 4 bytes an element, which the report

@@ -22,6 +22,7 @@ DeepSpeed's conventions, and how the course counts them:
 
 from __future__ import annotations
 
+import functools
 import json
 
 from ..job import Job
@@ -62,9 +63,14 @@ NOT_MODELLED = {
 }
 
 
-def spell(job: Job) -> dict[str, str]:
-    """``job`` as the DeepSpeed keys that set it (ReadConfig.changes: a dotted key is a key inside its section)."""
-    return {"zero_optimization.stage =": str(job.zero),
+def spell(job: Job, stage: int = 0, overlap: bool | None = None) -> dict[str, str]:
+    """``job`` as the DeepSpeed keys that set it (ReadConfig.changes: a dotted key is a key inside its section).
+    ``stage`` and ``overlap``: the file's ZeRO stage and overlap_comm (None: not set). Its layouts are timed with
+    the file's overlap, so a layout at another stage, whose default differs (on for stage 3 only), says it."""
+    overlapping = (stage == 3) if overlap is None else overlap
+    as_in_file = "(default)" if overlap is None else str(overlap).lower()
+    written = as_in_file if job.zero == stage or overlapping == (job.zero == 3) else str(overlapping).lower()
+    return {"zero_optimization.stage =": str(job.zero), "zero_optimization.overlap_comm =": written,
             "train_micro_batch_size_per_gpu =": str(job.micro_batch_size),
             "gradient_accumulation_steps =": str(job.num_microbatches),
             "tensor_parallel.autotp_size =": str(job.mesh.tp), "pipeline.stages =": str(job.mesh.pp),
@@ -196,7 +202,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     else:
         not_modelled.append("a mixture of experts in eager PyTorch: its norms, rotary, SwiGLU products and residual "
                             "adds timed as fused kernels (the eager count cannot route tokens), a lower bound")
-    return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spell,
+    spelled = functools.partial(spell, stage=stage, overlap=zero.get("overlap_comm"))
+    return ReadConfig("deepspeed", where, job, model_name, conventions, not_modelled, unknown, spelled,
                       assumptions=dict(dp_overlap=overlap, elementwise_ops="eager" if eager else "fused",
                                        rotary="rotate_half" if eager else "model.py", grad_reduce_bytes=reduce_bytes))
 
