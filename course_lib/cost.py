@@ -136,7 +136,7 @@ from .collective_times import (
 )
 from .hardware import GPU, collective_link, find_gpu, link_for
 from .job import Job, _schedule_problem
-from .kernel_times import FAMILIES, Operation, head_operations, layer_operations, optimizer_operation
+from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .model import ModelConfig, param_count_formula
 from .per_rank import data_parallel_state_bytes
@@ -358,20 +358,20 @@ def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
         raise ValueError("job.gpu=None: a costed job names its GPU (hardware.GPUS), e.g. gpu='A100 80GB'")
     world, per_node = mesh.size, job.gpus_per_node
     if world > per_node and world % per_node:
-        raise ValueError(f"a world of {world} GPUs on nodes of gpus_per_node={per_node}: a costed job fills whole "
-                         "nodes (torchrun starts --nproc-per-node ranks on every node) or runs inside one")
+        raise ValueError(f"a world of {world} GPUs on nodes of gpus_per_node={per_node} (--gpus-per-node): a costed "
+                         "job fills whole nodes, as torchrun starts as many ranks on each, or runs inside one")
 
     def share(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1
-    if compute_efficiency is not None and not (share(compute_efficiency) and compute_efficiency > 0) or not all(
-            map(share, shares.values())):
-        raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1] (or None), "
-                         + ", ".join(f"{k}={x!r}" for k, x in shares.items()) + " in [0, 1]: they are shares")
-    hw = find_gpu(job.gpu)
-    if job.dtype == "fp64" and hw.name.split()[0] in FAMILIES:       # the catalogue's cards
-        raise ValueError(f"dtype='fp64' on {hw.name}: a GPU is priced at its 16-bit Tensor Cores' rates (fp32 "
-                         "too, a lower bound on its time); fp64 is for the course's parity runs on a CPU")
-    return hw
+    bad = [f"{name}={x!r}" for name, x in shares.items() if not share(x)]
+    if compute_efficiency is not None and not (share(compute_efficiency) and compute_efficiency > 0):
+        bad.append(f"compute_efficiency={compute_efficiency!r} (in (0, 1], or None)")
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: shares are numbers in [0, 1], not True or False")
+    if job.dtype == "fp64":
+        raise ValueError("dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates (fp32 too, a lower bound "
+                         "on its time), this machine at its fp32 rates; fp64 is for the course's parity runs")
+    return find_gpu(job.gpu)
 
 
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,

@@ -31,7 +31,7 @@ import sys
 
 from .collective_times import reduced_bytes
 from .cost import step_time
-from .frameworks import ConfigError, ReadConfig, read_config
+from .frameworks import ConfigError, NotWritable, ReadConfig, read_config
 from .hardware import GPUS, find_gpu
 from .job import Job
 from .ledger import CONVENTIONS, deepspeed_estimate, zero_state_bytes
@@ -258,7 +258,7 @@ def better_layouts(read: ReadConfig, tokens_per_s: float, fits: bool) -> list[di
                     not fits or layout.time.tokens_per_s > (1 + TIE_SHARE) * tokens_per_s):
                 try:
                     change = read.changes(layout.job)
-                except ValueError:       # a layout the framework's keys cannot write (Megatron: uneven stages)
+                except NotWritable:      # a layout the framework's keys cannot write (Megatron: uneven stages)
                     continue
                 found.append({"recipe": layout.recipe, "layout": str(layout).split(": ", 1)[1],
                               "tokens_per_s": layout.time.tokens_per_s,

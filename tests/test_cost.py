@@ -543,7 +543,8 @@ def test_bad_input_is_refused():
 def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
     """Rules step_time adds to the Job's: the schedule's own (Job checks it only once every other rule holds, and
     step_time lets Llama 3's L + 2 chunks through), whole nodes or part of one (part of one: every group on
-    NVLink), fp64 refused on a GPU (its rates are 16-bit Tensor Cores'), shares that are numbers, not flags."""
+    NVLink), fp64 refused (a GPU's rates are its 16-bit Tensor Cores', whatever its name), shares that are numbers,
+    not flags, each named alone."""
     tiny, seven = preset("tiny"), preset("llama2-7b")
     for schedule, m, chunks, says in (("1f1b", 4, 3, "schedule='1f1b' runs one chunk per stage"),
                                       ("interleaved", 3, 3, "num_microbatches=3 to be a multiple of num_stages=2")):
@@ -557,12 +558,13 @@ def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
     in_part = step_time(Job(seven, Mesh(dp=3, tp=2), **kw))          # 6 GPUs of an 8-GPU node
     assert in_part.links["dp"] == GPUS["H100 SXM"].nvlink.name
     assert in_part.total_s == step_time(Job(seven, Mesh(dp=3, tp=2), gpus_per_node=6, **kw)).total_s
-    with pytest.raises(ValueError, match="a world of 12 GPUs on nodes of gpus_per_node=8: a costed job fills whole"):
+    with pytest.raises(ValueError, match="a world of 12 GPUs on nodes of gpus_per_node=8 .--gpus-per-node.: a costed job fills whole"):
         step_time(Job(seven, Mesh(dp=12), **kw))
-    with pytest.raises(ValueError, match="dtype='fp64' on H100 SXM 80GB"):
-        step_time(Job(seven, Mesh(dp=8), dtype="fp64", **kw))
+    for card in ("H100 SXM", dataclasses.replace(GPUS["H100 SXM"], name="Lab H100")):
+        with pytest.raises(ValueError, match="dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates"):
+            step_time(Job(seven, Mesh(dp=8), dtype="fp64", **dict(kw, gpu=card)))
     for flag in (True, "0.5"):
-        with pytest.raises(ValueError, match=f"dp_overlap={flag!r}"):
+        with pytest.raises(ValueError, match=f"^dp_overlap={flag!r}: shares are numbers in \\[0, 1\\], not True"):
             step_time(Job(seven, Mesh(dp=8), **kw), dp_overlap=flag)
     h100 = GPUS["H100 SXM"]
     for bad, says in ((dict(peak_flops=0), "peak_flops=0"), (dict(hbm_share=1.5), "hbm_share=1.5"),

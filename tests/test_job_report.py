@@ -304,7 +304,8 @@ BAD = {
                    "must be a whole number"),        # expanded once, not 16**5 times
     "typo_world.toml": ("", ["--gpus", "1000000000"], "more than the 131,072 GPUs"),
     # rules each framework checks before it starts (Megatron's arguments.py, torchtitan's pipeline_parallel.py and
-    # config, DeepSpeed's engine): the reader names them instead of reporting a run that cannot start
+    # config, DeepSpeed's engine): the reader names them instead of reporting a run that cannot start; and one the
+    # course does not model (tpcp.toml: torchtitan's TP plan with ring attention)
     "uneven_chunks.sh": ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                          "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3", ["--gpus", "2"],
                          "4 layers per pipeline rank do not split into --num-virtual-stages-per-pipeline-rank 3"),
@@ -315,7 +316,7 @@ BAD = {
                            "--recompute-method uniform with selective recomputation"),
     "stages.toml": ('[model]\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 4\n'
                     'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_layers_per_stage = 4\n',
-                    ["--gpus", "8"], "ceil((32 layers + embedding + head) / 4) = 9 stages over"),
+                    ["--gpus", "8"], "ceil((32 layers + 2 for the first and last stages) / 4) = 9 stages over"),
     "reduce.toml": ('[model]\nflavor = "8B"\n[training]\nmixed_precision_reduce = "flaot32"\n', ["--gpus", "8"],
                     "mixed_precision_reduce = 'flaot32': torchtitan takes only 'float32'"),
     "tpcp.toml": ('[model]\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\ncontext_parallel_degree = 2\n',
@@ -451,22 +452,29 @@ def test_megatrons_overlapped_param_gather_is_read_and_checked(tmp_path):
 
 
 def test_megatron_layouts_are_offered_only_where_its_layers_divide(tmp_path):
-    """Megatron gives every stage and chunk as many layers: a layout where they do not divide is not written back
-    (spell raises), and the better layouts of a 60-layer model all divide; a file that recomputes by
-    --recompute-activations is told to drop it when a layout recomputes otherwise (it wins over a granularity)."""
-    script = LLAMA3_8B_MEGATRON.replace("--num-layers 32", "--num-layers 60").replace(
-        "--recompute-granularity full --recompute-method uniform\n--recompute-num-layers 1", "--recompute-activations")
+    """Megatron gives every stage and chunk as many layers: the planner's pp 4 × v 2 for a 60-layer model (7.5
+    layers a chunk) cannot be written in its flags (spell raises) and is not offered, where a dividing one is; a
+    file that recomputes by --recompute-activations is told to drop it when a layout recomputes otherwise."""
+    model = ("--num-layers 60 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+             "--group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type "
+             "rope --disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 32000 --seq-length 4096 "
+             "--max-position-embeddings 4096 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
+             "--micro-batch-size 1 --global-batch-size 64 --bf16 --tensor-model-parallel-size 2 "
+             "--pipeline-model-parallel-size 4 ")
     path = tmp_path / "sixty.sh"
-    path.write_text(script + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4")
+    path.write_text(model + "--recompute-granularity selective")
     read = read_config(path, num_gpus=64)
-    assert read.job.recompute == "selective"
+    asked, spell = [], read.spell
+    read = dataclasses.replace(read, spell=lambda job: asked.append((job.mesh.pp, job.num_chunks)) or spell(job))
+    offered = [(int(alt["layout"].split("pp ")[1].split()[0]), int(alt["layout"].split("v = ")[1].split(")")[0])
+                if "v = " in alt["layout"] else 1) for alt in job_report(read)["better"]]
+    assert (4, 2) in asked and (4, 2) not in offered and offered and all(60 % (p * v) == 0 for p, v in offered)
     with pytest.raises(ValueError, match="60 layers over pp 4 × 2 chunks"):
         read.changes(read.job.replace(num_chunks=2, schedule="interleaved"))
-    assert "remove --recompute-activations" in read.changes(read.job.replace(recompute="full"))
-    for layout in job_report(read)["better"]:
-        pp = int(layout["layout"].split("pp ")[1].split()[0])
-        chunks = int(layout["layout"].split("v = ")[1].split(")")[0]) if "v = " in layout["layout"] else 1
-        assert 60 % (pp * chunks) == 0, layout["layout"]
+    path.write_text(model + "--recompute-activations")
+    activations = read_config(path, num_gpus=64)
+    assert activations.job.recompute == "selective"
+    assert "remove --recompute-activations" in activations.changes(activations.job.replace(recompute="full"))
 
 
 def test_deepspeeds_other_stages_keep_the_overlap_they_were_timed_with(tmp_path):

@@ -20,12 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..runtime.arguments import MAX_VIRTUAL_WORLD
-from .common import ConfigError, ReadConfig, whole
+from .common import ConfigError, NotWritable, ReadConfig, whole
 from .deepspeed import read as read_deepspeed
 from .megatron import read as read_megatron
 from .torchtitan import read as read_torchtitan
 
-__all__ = ["EXAMPLES", "ConfigError", "ReadConfig", "read_config"]
+__all__ = ["EXAMPLES", "ConfigError", "NotWritable", "ReadConfig", "read_config"]
 EXAMPLES = Path(__file__).with_name("examples")   # a few files of each framework (and Hugging Face config.json)
 
 

@@ -1,4 +1,4 @@
-"""What the readers share: the one-line error, the read job, how an unknown key is named (course_lib.frameworks)."""
+"""What the readers share: the one-line error, the read job, a layout they cannot write, how an unknown key is named (course_lib.frameworks)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from ..job import Job
 
 class ConfigError(ValueError):
     """A configuration that cannot be a run: one line naming the values and the rule it breaks."""
+
+
+class NotWritable(ValueError):
+    """A layout the framework's keys cannot write (its spell), so the report does not offer it."""
 
 
 @dataclass(frozen=True)

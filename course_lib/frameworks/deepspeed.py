@@ -39,8 +39,9 @@ NO_EFFECT = {"optimizer", "scheduler", "gradient_clipping", "steps_per_print", "
              "flops_profiler", "comms_logger", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
              "dump_state", "memory_breakdown", "seed", "checkpoint",
              "aio", "elasticity"}
-DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-               "bf16": "bf16", "bfloat16": "bf16"}      # data_types' names (DeepSpeed's DtypeEnum)
+DTYPE_NAMES = {**dict.fromkeys(("torch.float16", "float16", "fp16", "half"), "fp16"),    # data_types' names, as
+               **dict.fromkeys(("torch.float32", "float32", "fp32", "float"), "fp32"),   # DeepSpeed's DtypeEnum
+               **dict.fromkeys(("torch.bfloat16", "bfloat16", "bf16"), "bf16")}          # spells them
 ZERO_READ = {"stage", "overlap_comm", "offload_optimizer", "offload_param"}
 ZERO_NO_EFFECT = {"contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "allgather_partitions",
                   "reduce_scatter", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
@@ -66,10 +67,11 @@ NOT_MODELLED = {
 def spell(job: Job, stage: int = 0, overlap: bool | None = None) -> dict[str, str]:
     """``job`` as the DeepSpeed keys that set it (ReadConfig.changes: a dotted key is a key inside its section).
     ``stage`` and ``overlap``: the file's ZeRO stage and overlap_comm (None: not set). Its layouts are timed with
-    the file's overlap, so a layout at another stage, whose default differs (on for stage 3 only), says it."""
+    the file's overlap, so a layout at another ZeRO stage, whose default differs (on for stage 3 only), says it;
+    without ZeRO (stage 0) DeepSpeed does not read the key."""
     overlapping = (stage == 3) if overlap is None else overlap
     as_in_file = "(default)" if overlap is None else str(overlap).lower()
-    written = as_in_file if job.zero == stage or overlapping == (job.zero == 3) else str(overlapping).lower()
+    written = as_in_file if job.zero in (0, stage) or overlapping == (job.zero == 3) else str(overlapping).lower()
     return {"zero_optimization.stage =": str(job.zero), "zero_optimization.overlap_comm =": written,
             "train_micro_batch_size_per_gpu =": str(job.micro_batch_size),
             "gradient_accumulation_steps =": str(job.num_microbatches),

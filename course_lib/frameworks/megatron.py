@@ -35,7 +35,7 @@ from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
 from ..recipes import DDP_OVERLAP
-from .common import ConfigError, ReadConfig, nearest, whole
+from .common import ConfigError, NotWritable, ReadConfig, nearest, whole
 
 INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
             "num-virtual-stages-per-pipeline-rank", "context-parallel-size", "expert-model-parallel-size",
@@ -89,7 +89,10 @@ NOT_MODELLED = {
     "decoder-first-pipeline-num-layers": "an uneven first stage: the course splits the layers evenly",
     "decoder-last-pipeline-num-layers": "an uneven last stage: the course splits the layers evenly",
     "moe-shared-expert-intermediate-size": "a shared expert: the course's MoE layer has routed experts only",
+    "account-for-embedding-in-pipeline-split": "an uneven split, the embedding as a layer: the course splits evenly",
+    "account-for-loss-in-pipeline-split": "an uneven split, the loss as a layer: the course splits the layers evenly",
 }
+UNEVEN = [name for name, reason in NOT_MODELLED.items() if reason.startswith("an uneven")]   # stages set by hand
 # Megatron-LM's column-parallel linear layers (megatron/core/tensor_parallel/layers.py,
 # LinearWithGradAccumulationAndAsyncCommunication, and Transformer Engine's Linear: "Overlap dgrad-RS/AR with
 # wgrad") issue the input gradient's all-reduce, or reduce-scatter under sequence parallelism, asynchronously before
@@ -101,14 +104,14 @@ KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
 
 
 def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = False,
-          recompute_activations: bool = False) -> dict[str, str]:
+          recompute_activations: bool = False, even: bool = True) -> dict[str, str]:
     """``job`` as the Megatron-LM flags that set it (ReadConfig.changes: "(on)" adds a switch, "(off)" removes it).
     ``virtual_stages``: the file gives interleaving as --num-virtual-stages-per-pipeline-rank, not as layers;
     ``overlap_param_gather``: the file sets it, which a layout without the distributed optimizer must drop;
     ``recompute_activations``: the file recomputes by --recompute-activations, which wins over a granularity.
-    A layout Megatron cannot run (layers that do not divide over the stages and chunks) raises ValueError."""
-    if job.config.num_layers % (job.mesh.pp * job.num_chunks):
-        raise ValueError(f"{job.config.num_layers} layers over pp {job.mesh.pp} × {job.num_chunks} chunks: Megatron "
+    With ``even`` stages (no UNEVEN flag), layers that do not divide over stages and chunks raise NotWritable."""
+    if even and job.config.num_layers % (job.mesh.pp * job.num_chunks):
+        raise NotWritable(f"{job.config.num_layers} layers over pp {job.mesh.pp} × {job.num_chunks} chunks: Megatron "
                          "gives every stage and chunk as many layers")
     if virtual_stages:
         interleaving = {"--num-virtual-stages-per-pipeline-rank": str(job.num_chunks) if job.num_chunks > 1 else "(off)"}
@@ -256,15 +259,14 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
               schedule="interleaved" if num_chunks > 1 else "1f1b", num_chunks=num_chunks, data_parallel=ep == 1,
               dtype="fp32" if precision == "fp32" else precision, convention=convention, capacity_factor=capacity,
               gpu=gpu, gpus_per_node=gpus_per_node)
-    problems = job.problems()
-    if problems:
+    if problems := job.problems():
         raise ConfigError(f"{where}: " + "; ".join(problems))
     name = f"GPT {config.num_layers} layers × {config.hidden} wide" + (
         f", {config.num_experts} experts" if config.num_experts else "")
-    virtual_stages = "num-virtual-stages-per-pipeline-rank" in args
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
-                      functools.partial(spell, virtual_stages=virtual_stages,
+                      functools.partial(spell, virtual_stages="num-virtual-stages-per-pipeline-rank" in args,
                                         recompute_activations=bool(args.get("recompute-activations")),
+                                        even=not any(name in args for name in UNEVEN),
                                         overlap_param_gather=overlap_param_gather),
                       assumptions=dict(dp_overlap=DDP_OVERLAP if args.get("overlap-grad-reduce") else 0.0,
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
@@ -377,13 +379,14 @@ def _left_out(args: dict, config: ModelConfig, ffn: int) -> list[str]:
 def _chunks(args: dict, layers: int, pp: int) -> int:
     """v, the model chunks per pipeline rank: --num-virtual-stages-per-pipeline-rank, or the layers per rank
     over --num-layers-per-virtual-pipeline-stage; every stage, and every chunk, holds as many layers (Megatron's
-    arguments.py and transformer_block.py assert it)."""
-    if layers % pp:
+    arguments.py and transformer_block.py assert it, unless the file sets the first or last stage's: UNEVEN)."""
+    even = not any(name in args for name in UNEVEN)
+    if even and layers % pp:
         raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}: every "
                           "stage holds as many layers")
     if "num-virtual-stages-per-pipeline-rank" in args:
         chunks = whole("--num-virtual-stages-per-pipeline-rank", args["num-virtual-stages-per-pipeline-rank"])
-        if (layers // pp) % chunks:
+        if even and (layers // pp) % chunks:
             raise ConfigError(f"{layers // pp} layers per pipeline rank do not split into "
                               f"--num-virtual-stages-per-pipeline-rank {chunks}: every chunk holds as many layers")
         return chunks
@@ -391,9 +394,8 @@ def _chunks(args: dict, layers: int, pp: int) -> int:
         return 1
     per_chunk = whole("--num-layers-per-virtual-pipeline-stage", args["num-layers-per-virtual-pipeline-stage"])
     if layers % (pp * per_chunk):
-        raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × "
-                          f"--num-layers-per-virtual-pipeline-stage {per_chunk}: every virtual stage holds as many "
-                          "layers")
+        raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × --num-"
+                          f"layers-per-virtual-pipeline-stage {per_chunk}: every virtual stage holds as many layers")
     return layers // (pp * per_chunk)
 
 

@@ -30,7 +30,7 @@ from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
 from ..published import FSDP_OVERLAP, TORCHTITAN_H100_TPS, TORCHTITAN_ROTARY
-from .common import ConfigError, ReadConfig, nearest, whole
+from .common import ConfigError, NotWritable, ReadConfig, nearest, whole
 
 # model.name -> flavour -> the model's shape (torchtitan/models/llama3/__init__.py and the older llama2's):
 # FFN width = multiple_of · ceil(ffn_dim_multiplier · int(2 · 4d / 3) / multiple_of), as its FeedForward computes.
@@ -50,7 +50,8 @@ READ = {
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
                     "context_parallel_degree", "expert_parallel_degree", "fsdp_reshard_after_forward",
-                    "pipeline_parallel_layers_per_stage",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+                    "pipeline_parallel_last_stage_less_layers",
                     "disable_loss_parallel"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "components", "backend"},
@@ -84,9 +85,13 @@ SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved"}
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
 
 
-def spell(job: Job, global_batch_size: int | None = None) -> dict[str, str]:
+def spell(job: Job, global_batch_size: int | None = None, layers_per_stage: bool = False,
+          weights: int = 2) -> dict[str, str]:
     """``job`` as the lines of a torchtitan TOML that set it (ReadConfig.changes). ``global_batch_size``: the
-    file's own, when it sets one (each alternative keeps the file's sequences a step)."""
+    file's own, when it sets one (each alternative keeps the file's sequences a step). ``layers_per_stage``: the
+    file sets pipeline_parallel_layers_per_stage (``weights``: its first and last stages' less_layers), which every
+    pipeline then writes, as it does where the chunks per rank are not the schedule's default; a pipeline no
+    value gives (torchtitan's ceil((layers + weights) / layers_per_stage) stages) raises NotWritable."""
     mesh = job.mesh
     lines = {"[parallelism] data_parallel_shard_degree =": str(mesh.dp_shard),
              "[parallelism] data_parallel_replicate_degree =": str(mesh.dp_replicate),
@@ -106,6 +111,12 @@ def spell(job: Job, global_batch_size: int | None = None) -> dict[str, str]:
     if mesh.pp > 1:
         lines["[parallelism] pipeline_parallel_schedule ="] = f'"{SCHEDULE_NAMES[job.schedule]}"'
         lines["[parallelism] pipeline_parallel_microbatch_size ="] = str(job.micro_batch_size)
+        if layers_per_stage or job.num_chunks != (2 if job.schedule == "interleaved" else 1):
+            stages, work = mesh.pp * job.num_chunks, job.config.num_layers + weights
+            per_stage = -(-work // stages)
+            if -(-work // per_stage) != stages:
+                raise NotWritable(f"{stages} pipeline stages: no pipeline_parallel_layers_per_stage gives them")
+            lines["[parallelism] pipeline_parallel_layers_per_stage ="] = str(per_stage)
     return lines
 
 
@@ -178,7 +189,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                           f"pipeline_parallel_microbatch_size = {micro}: the pipeline cuts each rank's batch into "
                           "whole micro-batches")
     global_batch = training.get("global_batch_size", -1)
-    explicit = global_batch != -1                                  # torchtitan's -1: local_batch_size × dp
+    # torchtitan's default, -1 (any negative number): local_batch_size × dp
+    explicit = not (isinstance(global_batch, int) and not isinstance(global_batch, bool) and global_batch < 0)
     global_batch = whole("[training] global_batch_size", global_batch) if explicit else local * dp
     if global_batch % (local * dp):
         raise ConfigError(f"[training] global_batch_size = {global_batch} is not divisible by local_batch_size "
@@ -235,7 +247,9 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
     return ReadConfig("torchtitan", where, job, f"{name} {flavour}", conventions, not_modelled, unknown,
-                      functools.partial(spell, global_batch_size=global_batch if explicit else None),
+                      functools.partial(spell, global_batch_size=global_batch if explicit else None,
+                                        layers_per_stage="pipeline_parallel_layers_per_stage" in parallel,
+                                        weights=stage_weights(parallel)),
                       recipes_convention="mixed" if amp_off else None,   # its FSDP recipes run mixed precision
                       assumptions=dict(
                           dp_overlap=FSDP_OVERLAP,   # FSDP2's traffic half hidden, as its published runs fit
@@ -328,16 +342,24 @@ def _schedule(parallel: dict, mesh: Mesh, num_layers: int, conventions: list[str
         if schedule == "interleaved":
             conventions.append("Interleaved1F1B: 2 stages per rank (torchtitan's default split of the layers)")
         return schedule, 2 if schedule == "interleaved" else 1
-    # torchtitan's pipeline_parallel: ceil((layers + 1 + 1) / layers_per_stage) stages, the embedding and the head
-    # weighing a layer each; a whole number per rank, exactly 1 for a one-stage schedule, 2 or more interleaved
+    # torchtitan's pipeline_parallel: ceil((layers + w) / layers_per_stage) stages, w = the first and the last
+    # stage's less_layers (1 each by default: the embedding and the head); a whole number per rank, exactly 1 for
+    # a one-stage schedule, 2 or more interleaved
     per_stage = whole("[parallelism] pipeline_parallel_layers_per_stage", per_stage)
-    stages = -(-(num_layers + 2) // per_stage)
+    stages = -(-(num_layers + stage_weights(parallel)) // per_stage)
     need = "2 or more" if schedule == "interleaved" else f"exactly 1 for {name}"
     if stages % mesh.pp or (stages // mesh.pp >= 2) != (schedule == "interleaved"):
         raise ConfigError(f"[parallelism] pipeline_parallel_layers_per_stage = {per_stage}: ceil(({num_layers} layers "
-                          f"+ embedding + head) / {per_stage}) = {stages} stages over pipeline_parallel_degree "
-                          f"{mesh.pp}; torchtitan needs a whole number per rank, {need}")
+                          f"+ {stage_weights(parallel)} for the first and last stages) / {per_stage}) = {stages} "
+                          f"stages over pipeline_parallel_degree {mesh.pp}; torchtitan needs a whole number per rank, "
+                          f"{need}")
     return schedule, stages // mesh.pp
+
+
+def stage_weights(parallel: dict) -> int:
+    """The layers' worth torchtitan gives the first and the last stage's extra work (its *_stage_less_layers)."""
+    return sum(whole(f"[parallelism] pipeline_parallel_{end}_stage_less_layers",
+                     parallel.get(f"pipeline_parallel_{end}_stage_less_layers", 1), low=0) for end in ("first", "last"))
 
 
 def _recompute(checkpointing: dict, not_modelled: list[str]) -> str:
