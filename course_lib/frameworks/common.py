@@ -1,4 +1,5 @@
-"""What the readers share: the one-line error, the read job, a layout they cannot write, how an unknown key is named (course_lib.frameworks)."""
+"""What the readers share: the one-line error, the read job, a layout they cannot write, how an unknown key is
+named (course_lib.frameworks)."""
 
 from __future__ import annotations
 

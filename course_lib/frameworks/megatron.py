@@ -111,8 +111,8 @@ def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = F
     ``recompute_activations``: the file recomputes by --recompute-activations, which wins over a granularity.
     With ``even`` stages (no UNEVEN flag), layers that do not divide over stages and chunks raise NotWritable."""
     if even and job.config.num_layers % (job.mesh.pp * job.num_chunks):
-        raise NotWritable(f"{job.config.num_layers} layers over pp {job.mesh.pp} × {job.num_chunks} chunks: Megatron "
-                         "gives every stage and chunk as many layers")
+        raise NotWritable(f"{job.config.num_layers} layers over pp {job.mesh.pp} × {job.num_chunks} chunks: "
+                          "Megatron gives every stage and chunk as many layers")
     if virtual_stages:
         interleaving = {"--num-virtual-stages-per-pipeline-rank": str(job.num_chunks) if job.num_chunks > 1 else "(off)"}
     else:
