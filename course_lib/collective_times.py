@@ -34,12 +34,12 @@ from .context_parallel import ring_attention_bytes
 from .expert_parallel import all_to_all_bytes
 from .hardware import GPU, collective_link, link_for, ring_latency, spread
 from .job import Job
+from .kernel_times import ATTENTION_OPS
 from .per_rank import data_parallel_traffic, layers_per_rank
 from .tensor_parallel import tp_step_traffic
 from .vocab_parallel import vocab_parallel_traffic
 
 COLUMN_PARALLEL = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # kernel_times' names, by block
-ATTENTION_OPS = ("attention core", "attention scores QKᵀ", "softmax + dropout", "attention values AV")
 
 
 def tp_seconds_per_layer(job: Job, hw: GPU, layer_ops, tp_overlap: float, checkpoint: str = "non-reentrant") -> float:

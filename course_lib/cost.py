@@ -134,8 +134,9 @@ from .collective_times import (
     tp_seconds_per_layer,
     vocab_seconds,
 )
-from .hardware import GPU, collective_link, find_gpu, link_for
-from .job import Job, _schedule_problem
+from .cost_checks import check_assumptions, check_costed
+from .hardware import GPU, collective_link, link_for
+from .job import Job
 from .kernel_times import Operation, head_operations, layer_operations, optimizer_operation
 from .ledger import CONVENTIONS, RECOMPUTE, active_params_per_token
 from .model import ModelConfig, param_count_formula
@@ -247,8 +248,6 @@ class StepTime:
 ASSUMPTIONS = ("compute_efficiency", "dp_overlap", "pp_overlap", "tp_overlap", "attention", "scatter_gather",
                "pipeline_sends", "elementwise_ops", "rotary", "overlap_param_gather", "grad_reduce_bytes",
                "cp_overlap", "checkpoint")
-PIPELINE_SENDS = ("blocking", "async")
-CHECKPOINTS = ("non-reentrant", "reentrant")
 
 
 def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: float = 0.0,
@@ -268,18 +267,10 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     traffic hides behind its block kernels (cp_overlap) and how full recomputation reruns a layer (checkpoint:
     torch's non-reentrant checkpoint stops at down_proj's GEMM, before its TP reduction; a reentrant one,
     Megatron-LM's or DeepSpeed's, reruns the whole forward). The formulas: the module docstring's part 2."""
-    if checkpoint not in CHECKPOINTS:
-        raise ValueError(f"checkpoint={checkpoint!r}: one of {CHECKPOINTS} (how full recomputation reruns a layer)")
-    if pipeline_sends not in PIPELINE_SENDS:
-        raise ValueError(f"pipeline_sends={pipeline_sends!r}: one of {PIPELINE_SENDS} (cost.py's part 2)")
-    if grad_reduce_bytes not in (None, 2, 4, 8):
-        raise ValueError(f"grad_reduce_bytes={grad_reduce_bytes!r}: None (the job's gradients) or the bytes of a "
-                         "16-, 32- or 64-bit float (2, 4, 8)")
-    for flag, value in (("scatter_gather", scatter_gather), ("overlap_param_gather", overlap_param_gather)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{flag}={value!r}: True or False")
-    hw = _check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
-                       tp_overlap=tp_overlap, cp_overlap=cp_overlap)
+    check_assumptions(checkpoint=checkpoint, pipeline_sends=pipeline_sends, grad_reduce_bytes=grad_reduce_bytes,
+                      scatter_gather=scatter_gather, overlap_param_gather=overlap_param_gather)
+    hw = check_costed(job, compute_efficiency, dp_overlap=dp_overlap, pp_overlap=pp_overlap,
+                      tp_overlap=tp_overlap, cp_overlap=cp_overlap)
     if job.mesh.size < job.gpus_per_node:          # part of one node: every group on NVLink
         job = job.replace(gpus_per_node=job.mesh.size)
     m = job.num_microbatches
@@ -335,43 +326,6 @@ def _async_pipeline(job: Job, stages: list, hop_s: float) -> tuple[float, float]
                         [2 * w / 3 for w in work], latency_s, num_chunks=job.num_chunks).makespan
     with_hops, instant = makespan(hop_s), makespan(0.0)
     return with_hops - instant, instant - job.num_microbatches * max(work)
-
-
-def _check_costed(job: Job, compute_efficiency, **shares) -> GPU:
-    """The job's own rules, a GPU to cost it on, and the assumptions in range. Returns the GPU."""
-    if not isinstance(job, Job):
-        raise TypeError(f"step_time takes a Job (course_lib.job.Job), not {type(job).__name__} {job!r:.40}")
-    # Llama 3's interleaved layout gives the embedding and the head a chunk of their own: up to L + 2 chunks,
-    # which step_time costs and parallelize cannot build (Job's rule counts layers only).
-    mesh, layers = job.mesh, job.config.num_layers
-    chunks_rule = f"pp {mesh.pp} × num_chunks {job.num_chunks} = "
-    problems = job.problems()
-    found = [problem for problem in problems
-             if not (problem.startswith(chunks_rule) and mesh.pp * job.num_chunks <= layers + 2)]
-    if problems and not found:      # Job checks the schedule only once every other rule holds: check it here
-        found = [p for p in [_schedule_problem(job.schedule, mesh.pp, job.num_microbatches, job.num_chunks)] if p]
-    if mesh.pp * job.num_chunks > layers + 2:
-        found.append(f"num_chunks={job.num_chunks}: pp {mesh.pp} × v chunks > {layers} layers + embedding + head")
-    if found:
-        raise ValueError("; ".join(found))
-    if job.gpu is None:
-        raise ValueError("job.gpu=None: a costed job names its GPU (hardware.GPUS), e.g. gpu='A100 80GB'")
-    world, per_node = mesh.size, job.gpus_per_node
-    if world > per_node and world % per_node:
-        raise ValueError(f"a world of {world} GPUs on nodes of gpus_per_node={per_node} (--gpus-per-node): a costed "
-                         "job fills whole nodes, as torchrun starts as many ranks on each, or runs inside one")
-
-    def share(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1
-    bad = [f"{name}={x!r}" for name, x in shares.items() if not share(x)]
-    if compute_efficiency is not None and not (share(compute_efficiency) and compute_efficiency > 0):
-        bad.append(f"compute_efficiency={compute_efficiency!r} (in (0, 1], or None)")
-    if bad:
-        raise ValueError(f"{', '.join(bad)}: shares are numbers in [0, 1], not True or False")
-    if job.dtype == "fp64":
-        raise ValueError("dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates (fp32 too, a lower bound "
-                         "on its time), this machine at its fp32 rates; fp64 is for the course's parity runs")
-    return find_gpu(job.gpu)
 
 
 def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_overlap: float, pp_overlap: float,

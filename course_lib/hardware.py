@@ -188,8 +188,13 @@ GPUS = {
 }
 
 
+def is_number(value) -> bool:
+    """An int or a float, not a bool (True is an int to Python, and a share of 1 to nobody)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return is_number(value) and value > 0
 
 
 def find_gpu(name_or_gpu) -> GPU:

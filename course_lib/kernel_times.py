@@ -79,6 +79,8 @@ ATTENTION = ("flash", "flash3", "efficient", "triton", "unfused")
 # The memory-bound ops as a run's code dispatches them: one fused kernel each (Megatron's, MPT's, torch.compile's),
 # op by op as the course's model runs them (eager PyTorch), or so but for the norms (torchtitan's fused_rmsnorm)
 ELEMENTWISE_OPS = ("fused", "eager", "eager, fused norm")
+# The attention core's operations, one fused kernel or three (what ring attention's traffic can hide behind)
+ATTENTION_OPS = ("attention core", "attention scores QKᵀ", "softmax + dropout", "attention values AV")
 
 # Forward + backward TFLOP/s of the attention kernels, FLOPs counted as their authors count them (a causal
 # kernel's half square; backward 2.5 × forward: 3.5 × forward in all), at sequence lengths FLASH_SEQ (batch

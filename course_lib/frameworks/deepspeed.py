@@ -64,14 +64,20 @@ NOT_MODELLED = {
 }
 
 
+def default_overlap(stage: int) -> bool:
+    """DeepSpeed's overlap_comm where a file does not set it: on for ZeRO-3 only."""
+    return stage == 3
+
+
 def spell(job: Job, stage: int = 0, overlap: bool | None = None) -> dict[str, str]:
     """``job`` as the DeepSpeed keys that set it (ReadConfig.changes: a dotted key is a key inside its section).
     ``stage`` and ``overlap``: the file's ZeRO stage and overlap_comm (None: not set). Its layouts are timed with
     the file's overlap, so a layout at another ZeRO stage, whose default differs (on for stage 3 only), says it;
     without ZeRO (stage 0) DeepSpeed does not read the key."""
-    overlapping = (stage == 3) if overlap is None else overlap
+    overlapping = default_overlap(stage) if overlap is None else overlap
     as_in_file = "(default)" if overlap is None else str(overlap).lower()
-    written = as_in_file if job.zero in (0, stage) or overlapping == (job.zero == 3) else str(overlapping).lower()
+    written = (as_in_file if job.zero in (0, stage) or overlapping == default_overlap(job.zero)
+               else str(overlapping).lower())
     return {"zero_optimization.stage =": str(job.zero), "zero_optimization.overlap_comm =": written,
             "train_micro_batch_size_per_gpu =": str(job.micro_batch_size),
             "gradient_accumulation_steps =": str(job.num_microbatches),
@@ -185,7 +191,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if checkpointing is not None:
         conventions.append("activation_checkpointing: the model's code checkpoints each block (Hugging Face's "
                            "gradient checkpointing): counted as full recomputation")
-    overlap = zero.get("overlap_comm", stage == 3)   # DeepSpeed's default: on for stage 3 only
+    overlap = zero.get("overlap_comm", default_overlap(stage))
     job = Job(config, Mesh(dp=dp, tp=tp, pp=pp), seq_len=seq_len, micro_batch_size=micro,
               num_microbatches=accumulation, zero_stage=stage, recompute="full" if checkpointing is not None else "none",
               dtype=precision, gpu=gpu, gpus_per_node=gpus_per_node)

@@ -346,11 +346,12 @@ def _schedule(parallel: dict, mesh: Mesh, num_layers: int, conventions: list[str
     # stage's less_layers (1 each by default: the embedding and the head); a whole number per rank, exactly 1 for
     # a one-stage schedule, 2 or more interleaved
     per_stage = whole("[parallelism] pipeline_parallel_layers_per_stage", per_stage)
-    stages = -(-(num_layers + stage_weights(parallel)) // per_stage)
+    weights = stage_weights(parallel)
+    stages = -(-(num_layers + weights) // per_stage)
     need = "2 or more" if schedule == "interleaved" else f"exactly 1 for {name}"
     if stages % mesh.pp or (stages // mesh.pp >= 2) != (schedule == "interleaved"):
         raise ConfigError(f"[parallelism] pipeline_parallel_layers_per_stage = {per_stage}: ceil(({num_layers} layers "
-                          f"+ {stage_weights(parallel)} for the first and last stages) / {per_stage}) = {stages} "
+                          f"+ {weights} for the first and last stages) / {per_stage}) = {stages} "
                           f"stages over pipeline_parallel_degree {mesh.pp}; torchtitan needs a whole number per rank, "
                           f"{need}")
     return schedule, stages // mesh.pp
