@@ -27,6 +27,7 @@ fits time = α + n/β to the measurements and predicts a collective's time (used
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -270,7 +271,8 @@ class CostModel:
     """time = alpha + wire_bytes / beta: a fixed latency per collective plus bytes over bandwidth.
 
     ``fit`` takes rows of :func:`measure_bandwidth` (one op, one group size) and solves the least-squares
-    line through (wire bytes, seconds).
+    line through (wire bytes, seconds). Where noise makes that line fall instead of rise (a small size measured
+    slower than a large one), no bandwidth was seen: beta is infinite and every byte free, which says so.
     """
     alpha: float  # seconds per collective, whatever its size (latency)
     beta: float   # bytes per second each rank can send (bandwidth)
@@ -281,7 +283,7 @@ class CostModel:
         ys = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
         design = torch.stack([torch.ones_like(xs), xs], dim=1)
         alpha, per_byte = torch.linalg.lstsq(design, ys[:, None]).solution.flatten().tolist()
-        return cls(alpha=max(alpha, 0.0), beta=1.0 / max(per_byte, 1e-30))
+        return cls(alpha=max(alpha, 0.0), beta=1.0 / per_byte if per_byte > 0 else math.inf)
 
     def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
         return self.alpha + wire_bytes(op, payload_bytes, group_size) / self.beta

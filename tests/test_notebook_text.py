@@ -27,7 +27,17 @@ def test_diagrams_and_code_in_the_prose_fit_a_laptop_pane(path):
 # Sentences a review found false (issue 23), each with what is true instead. Only the prose and code a learner
 # reads are searched, not outputs: a library message is checked where the library is.
 RETRACTED = {
+    "01_memory_ledger.ipynb": {
+        "for full training up to about 7B parameters": "7.1B needs 106 GiB; one 80 GiB card holds about 5.4B",
+    },
+    "03_zero_fsdp.ipynb": {
+        "(running statistics, only read by the update)": "4 of its 12 bytes are the fp32 master weights",
+    },
+    "04_tensor_parallel.ipynb": {
+        "ZeRO over everything": "ZeRO shards over the data-parallel group only",
+    },
     "06_3d_parallel.ipynb": {
+        "for full training up to about 7B parameters": "7.1B needs 106 GiB; one 80 GiB card holds about 5.4B",
         "dropouts' tensors": "Llama 2 has no dropout: sequence parallelism splits the norms' tensors",
         "ZeRO-2/3 would reduce or gather for every micro-batch)": "or they keep the weights and gradients whole through "
                                                                  "the step, as torch's pipeline schedules do with FSDP2",
