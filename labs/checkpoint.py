@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from common import lab_parser, model_overrides, parse, reports, write_record
 from course_lib import launch
+from course_lib.checkpoint_commit import PARTIAL, REPLACED
 from course_lib.model import preset
 from course_lib.runs.checkpoint import DEFAULTS, LAYOUTS, layout_name, run_with_failure, save_and_resume
 from course_lib.runs.mesh import max_parameter_gap
@@ -52,12 +53,13 @@ def join_this_attempt(backend: str, world_size: int) -> None:
     the store across restarts; pytorch/pytorch#167288), and gloo's connectFullMesh fails with "Connection
     refused" (seen here with 4 ranks, torch 2.13). A PrefixStore per TORCHELASTIC_RESTART_COUNT keeps attempts
     apart. ``launch`` then runs on this group, as on any group torchrun made."""
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else None   # as launch binds it
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=300))
     store = dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size, device_id=gpu)
     atexit.register(leave_cleanly)       # as launch does for the groups it makes under torchrun
 
 
@@ -78,10 +80,12 @@ def claim_checkpoint_folder(root: Path, force: bool) -> str | None:
 
 
 def remove_old_steps(root: str) -> None:
-    """The step_NNNNN folders a previous run of the lab saved (course_lib.runs.checkpoint names them so), and
-    nothing else."""
+    """The step_NNNNN folders a previous run of the lab saved (course_lib.runs.checkpoint names them so), with
+    their .partial and .replaced forms (a commit cut between its renames: checkpoint.latest would resume from
+    it), and nothing else."""
     for entry in Path(root).glob("step_*"):
-        if entry.is_dir() and entry.name[len("step_"):].isdigit():
+        step = entry.name[len("step_"):].removesuffix(PARTIAL).removesuffix(REPLACED)
+        if entry.is_dir() and step.isdigit():
             shutil.rmtree(entry)
 
 

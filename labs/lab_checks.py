@@ -12,7 +12,11 @@ LOSS_TOLERANCE = 1e-3      # |loss - one process's|, float32: sums in another or
 # |w - torch DDP's w| after the lab's 20 Adam steps of lr 1e-3 (each moves a weight by up to lr): float32 sums in
 # another order, 6e-7 at 4 ranks here; under bf16 autocast one weight rounded the other way feeds back, 1.2e-4
 WEIGHT_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3}
-BF16_TOLERANCE = 2**-6     # |w - torch's w|, bf16 weights below 2: two bf16 steps (the lab: about one)
+# ‖w - ours‖ / ‖ours - w₀‖: how far torch's run ends from ours, against how far training moved the weights. Another
+# reduction order rounds bf16 gradients otherwise: the lab on 4 gloo ranks in bf16 measured 0.007 and 0.008 (torch's
+# ZeroRedundancyOptimizer, fully_shard), where a run that drops half of each batch in the last 4 of 8 steps ends 0.15
+# away (2 layers, 8 Adam steps of lr 1e-3). The largest |Δw|, the check before, could not tell them: 8e-3 for both.
+BF16_TOLERANCE = 0.05
 BUBBLE_TOLERANCE = 0.06    # |measured - formula| bubble, as notebook 05 asserts on a busy machine
 STATE_TOLERANCE = 0.05     # torch's own state bytes within 5% of the formula
 TP_EXPOSED = 0.8           # TP's blocking all-reduces: nearly all exposed (a little hides behind the other rank's ops)
@@ -97,8 +101,8 @@ def check_zero(r: dict) -> list[tuple]:
         largest, predicted = max(rank["total"] for rank in run["state_per_rank"]), run["predicted_state"]["total"]
         checks += [(f"{theirs}: state per rank vs ledger (stage {stage})", size(predicted), size(largest),
                     verdict(abs(largest - predicted) <= STATE_TOLERANCE * predicted)),
-                   (f"{theirs}: weights vs ours at stage {stage}, max |Δw|", f"≤ {BF16_TOLERANCE:g}",
-                    f"{run['max_weight_gap_vs_ours']:.1e}", verdict(run["max_weight_gap_vs_ours"] <= BF16_TOLERANCE)),
+                   (f"{theirs}: weights vs ours at stage {stage}, ‖Δw‖ / ‖w - w₀‖", f"≤ {BF16_TOLERANCE:g}",
+                    f"{run['weight_gap_vs_ours']:.1e}", verdict(run["weight_gap_vs_ours"] <= BF16_TOLERANCE)),
                    (f"step time, ours stage {stage} / {theirs}", "≤ 1.3 (goal)",
                     f"{runs[f'ours {stage}']['step_seconds'] / run['step_seconds']:.2f}", "info")]
     return checks + [not_in_lab("loss vs 1 process")]
@@ -181,10 +185,11 @@ def check_checkpoint(r: dict) -> list[tuple]:
 
 
 def check_profiling(r: dict) -> list[tuple]:
-    ranks = list(range(r["world_size"]))
-    checks = [("merged timeline: every rank a process of its own (ddp, fsdp, tp)", str(ranks),
-               " / ".join(str(r["merged_ranks"][way]) for way in ("ddp", "fsdp", "tp")),
-               verdict(all(r["merged_ranks"][way] == ranks for way in ("ddp", "fsdp", "tp"))))]
+    # what traces.merge cannot make up: each rank's own trace holds its collectives (NCCL's kernels, gloo's calls)
+    ways = ("ddp", "fsdp", "tp")
+    found = [sum(rank["communication_s"] > 0 for rank in r["ways"][way]) for way in ways]
+    checks = [("every rank's trace holds its communication (ddp, fsdp, tp): ranks", str(r["world_size"]),
+               " / ".join(map(str, found)), verdict(all(count == r["world_size"] for count in found)))]
     tp = r["ways"]["tp"]
     exposed = min(rank["exposed_s"] / rank["communication_s"] for rank in tp)
     checks.append(("tp: its all-reduces exposed (the next matmul waits for each), least share of any rank",

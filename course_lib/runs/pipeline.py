@@ -79,7 +79,8 @@ def pipeline_worker(rank: int, world_size: int, *, num_microbatches: int, schedu
     # Best of `steps`, as timeit does: a busy machine only ever delays an op, never hurries one. Every rank
     # keeps the same step: the one with the shortest makespan over all ranks. (Every step computes the same
     # loss and gradients: the grads returned are the last step's.)
-    spans = torch.tensor([[max(e.end for e in t["events"]), -min(e.start for e in t["events"])] for t in tries])
+    spans = torch.tensor([[max(e.end for e in t["events"]), -min(e.start for e in t["events"])] for t in tries],
+                         device=device())                  # NCCL reduces GPU tensors only
     comm.all_reduce(spans, op=torch.distributed.ReduceOp.MAX)
     result = tries[int(spans.sum(dim=1).argmin())]
     result.update(parts=parts, costs=costs)

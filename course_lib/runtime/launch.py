@@ -159,9 +159,12 @@ def _run_in_place(fn, world_size, backend, timeout, kwargs) -> list:
     if not dist.is_initialized():
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         backend = choose_backend(backend, local_world_size)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # reads env://
+        # NCCL: bound to this rank's GPU, so that a barrier issued first on a group knows its device (unbound, torch
+        # guesses it from the global rank, wrong across nodes that run fewer ranks than they have GPUs)
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else None
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), device_id=gpu)  # env://
         sys.excepthook = _note_uncaught(sys.excepthook)
         atexit.register(_leave_cleanly)
         _NODES[:] = check_same_command(rank, world_size)

@@ -53,16 +53,21 @@ def dump_flight_recorder(path: Path, world_size: int) -> None:
 
     The flight recorder is torch's ring buffer of the last collectives each process group of this process issued
     (kind, sizes, sequence number, Python stack), kept on every backend by default (TORCH_FR_BUFFER_SIZE sets its
-    length). NCCL's watchdog dumps it by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, into files named by
-    TORCH_FR_DUMP_TEMP_FILE); gloo has no watchdog, so this calls the same dump (torch._C's binding, which has no
-    public Python name). Gloo's dump leaves the table of process groups empty; the analyzer needs it to match the
-    ranks' collectives, so it is filled in here for the groups the incidents use, which span the world."""
-    from torch._C._distributed_c10d import _dump_fr_trace
+    length). NCCL keeps its own recorder, which its watchdog dumps by itself on a timeout
+    (TORCH_NCCL_DUMP_ON_TIMEOUT=1, into files named by TORCH_FR_DUMP_TEMP_FILE); gloo's has no watchdog. This dumps
+    the recorder of the backend the world runs on, through torch._C's bindings (no public Python name). Gloo's
+    dump leaves the table of process groups empty; the analyzer needs it to match the ranks' collectives, so it is
+    filled in here for the groups the incidents use, which span the world."""
+    from torch._C import _distributed_c10d
 
-    dump = pickle.loads(_dump_fr_trace(True, True))      # with the collectives and their stacks
-    groups = {tuple(entry["process_group"]) for entry in dump["entries"]}
-    dump["pg_config"] = {name: {"name": name, "desc": desc, "ranks": str(list(range(world_size)))}
-                         for name, desc in groups}
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dump = pickle.loads(_distributed_c10d._dump_nccl_trace(includeCollectives=True, includeStackTraces=True,
+                                                               onlyActive=False))
+    else:
+        dump = pickle.loads(_distributed_c10d._dump_fr_trace(True, True))   # with the collectives and their stacks
+        groups = {tuple(entry["process_group"]) for entry in dump["entries"]}
+        dump["pg_config"] = {name: {"name": name, "desc": desc, "ranks": str(list(range(world_size)))}
+                             for name, desc in groups}
     write_atomically(Path(path), lambda partial: partial.write_bytes(pickle.dumps(dump)))
 
 
