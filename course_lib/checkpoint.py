@@ -63,15 +63,18 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .checkpoint_commit import (
+    MARKER,
     PARTIAL,
     REPLACED,
     PendingSave,
+    check_ours,
     check_same_model,
     commit,
     committed,
     config_text,
     verify_checksums,
 )
+from .runtime import unfinished
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -281,17 +284,25 @@ def one_line_errors(path: str, action: str):
 def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous: bool = False):
     """Write this rank's boxes (a collective: every rank calls it) into ``path``.partial, then commit it as
     ``path`` (module docstring). ``asynchronous``: dcp.async_save, which stages (copies) the state in memory,
-    returns, and writes in a background thread, committed when it is done: wait on the returned future before the
-    next save. Returns the future, or DCP's metadata."""
+    returns, and writes in a background thread on a gloo group of its own, committed when it is done. Returns the
+    future (its result() waits for the commit), or DCP's metadata. Refuses a folder it would replace that the course
+    did not make (checkpoint_commit.check_ours)."""
     path = os.path.normpath(path)
     staging = path + PARTIAL
+    unfinished.finish()                                  # one save at a time: an asynchronous one still writing
+    check_ours(path)                                     # on every rank: the same verdict, so none waits alone
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)     # an earlier save of this path that never finished
+        os.makedirs(staging)
+        open(os.path.join(staging, MARKER), "w").close()
     torch.distributed.barrier()
     state = course_state(data_parallel, mesh, rank, train)
     if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=staging, planner=CourseSavePlanner())
-        return PendingSave(future, staging, path, commits=rank == 0)
+        # DCP's thread plans and writes with collectives while training goes on with its own on the default group:
+        # on one group the two would pair wrongly (torch's async checkpointing recipe gives the save a gloo group)
+        group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save(state, checkpoint_id=staging, planner=CourseSavePlanner(), process_group=group)
+        return PendingSave(future, staging, path, commits=rank == 0, group=group)
     with one_line_errors(path, "saving"):
         metadata = dcp.save(state, checkpoint_id=staging, planner=CourseSavePlanner())
     torch.distributed.barrier()                          # every rank has written, rank 0 the .metadata
@@ -301,14 +312,19 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     return metadata
 
 
-def load(data_parallel, mesh, rank: int, path: str, train: dict) -> dict:
+def load(data_parallel, mesh, rank: int, path: str, train: dict, check=None) -> dict:
     """Read this rank's boxes, in whatever layout the checkpoint was saved, into ``data_parallel``'s shards and
     Adam state; set Adam's step counters and torch's RNG state; return the saved ``train`` dict (``train``: one of
     the same keys, e.g. train_state(0, ...), whose values are replaced). ZeRO-1/2 keep whole weights: after the
-    shards are loaded the dp ranks all-gather them, as after an optimizer step."""
+    shards are loaded the dp ranks all-gather them, as after an optimizer step. ``check(saved train)``, if given,
+    refuses a checkpoint by raising, before anything of this rank is overwritten."""
+    torch.distributed.barrier()              # rank 0 has committed what every rank saved before (PendingSave)
     folder = committed(path)
     verify_checksums(folder)
-    check_same_model(path, train.get("config", ""), _read_train(folder, train).get("config", ""))
+    saved = _read_train(folder, train)
+    check_same_model(path, train.get("config", ""), saved.get("config", ""))
+    if check is not None:
+        check(saved)                         # before any state is overwritten
     state = course_state(data_parallel, mesh, rank, train)
     with one_line_errors(folder, "loading"):
         dcp.load(state, checkpoint_id=folder, planner=CourseLoadPlanner())

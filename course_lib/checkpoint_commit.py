@@ -10,6 +10,12 @@ when its writes finish; one that never finishes is never committed, and the old 
 function that returns before its asynchronous save has finished is not allowed to lose it: the course's rank
 process waits for every unfinished save of the function (runtime.unfinished) before it replies, and says so.
 
+A save replaces or removes only folders the course made: ``<path>``, ``<path>.partial`` and ``<path>.replaced``
+are each refused by name unless they hold the course's MARKER (every save writes it first) or its CHECKSUMS. One
+save runs at a time: a save first waits for an asynchronous one still writing. An asynchronous save runs DCP's
+collectives on a gloo group of its own, in its background thread, so that they never pair with the collectives
+training issues meanwhile on the default group.
+
 Each committed checkpoint lists the SHA-256 of every file it holds (CHECKSUMS), written before the rename:
 ``load`` checks them first, and refuses a changed file by name. The saved ``train`` entries carry the model's
 config; ``load`` reads them first (a few bytes) and refuses a checkpoint of another model, naming each field
@@ -24,10 +30,23 @@ import json
 import os
 import shutil
 import threading
+from pathlib import Path
+
+import torch.distributed as dist
 
 from .runtime import unfinished
+from .runtime.files import write_atomically
 
-PARTIAL, REPLACED, CHECKSUMS = ".partial", ".replaced", "checksums.json"
+PARTIAL, REPLACED, CHECKSUMS, MARKER = ".partial", ".replaced", "checksums.json", ".made-by-course-checkpoint"
+
+
+def check_ours(path: str) -> None:
+    """Refuse, naming it, a folder a save of ``path`` would replace or remove that the course did not make."""
+    for folder in (path, path + PARTIAL, path + REPLACED):
+        ours = os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, name)) for name in (MARKER, CHECKSUMS))
+        if os.path.lexists(folder) and not ours:
+            raise ValueError(f"{folder} exists and course_lib.checkpoint did not make it (no {MARKER} or {CHECKSUMS} "
+                             "in it): a save replaces only its own checkpoints; move it, or save elsewhere")
 
 
 def _sha256(path: str) -> str:
@@ -52,11 +71,11 @@ def verify_checksums(folder: str) -> None:
 
 class PendingSave:
     """dcp.async_save's future, committed by rank 0 as soon as its writes are done (on rank 0, done means every
-    rank's file and the .metadata are written): ``result()`` returns once it is. Another rank that reads the
-    checkpoint next waits for rank 0 first (a barrier), as after any collective write."""
+    rank's file and the .metadata are written): ``result()`` returns once it is, and closes the save's own group.
+    Another rank that reads the checkpoint next waits for rank 0 first: ``load`` starts with a barrier."""
 
-    def __init__(self, future, staging: str, path: str, commits: bool):
-        self._future, self._staging, self.path = future, staging, path
+    def __init__(self, future, staging: str, path: str, commits: bool, group=None):
+        self._future, self._staging, self.path, self._group = future, staging, path, group
         self._lock, self._committed = threading.Lock(), not commits
         unfinished.add(self)                  # waited for when the rank function returns, if not before
         future.add_done_callback(self._commit_when_done)
@@ -74,6 +93,9 @@ class PendingSave:
         value = self._future.result(timeout)
         self._commit_when_done(self._future)
         unfinished.discard(self)
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
         return value
 
     def __str__(self) -> str:
@@ -82,12 +104,10 @@ class PendingSave:
 
 def commit(staging: str, path: str) -> None:
     """Make the complete checkpoint in ``staging`` the one at ``path`` (an old one moved aside, then removed),
-    with a checksum of every file (CHECKSUMS) written before it becomes visible."""
-    sums = {name: _sha256(os.path.join(staging, name)) for name in sorted(os.listdir(staging))}
-    with open(os.path.join(staging, CHECKSUMS), "w") as out:
-        json.dump(sums, out, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
+    with a checksum of every file (CHECKSUMS) written before it becomes visible. A commit tried again (after an
+    error) lists the same files: never CHECKSUMS itself."""
+    sums = {name: _sha256(os.path.join(staging, name)) for name in sorted(os.listdir(staging)) if name != CHECKSUMS}
+    write_atomically(Path(staging, CHECKSUMS), lambda partial: partial.write_text(json.dumps(sums, indent=1)))
     if os.path.exists(path):
         shutil.rmtree(path + REPLACED, ignore_errors=True)
         os.rename(path, path + REPLACED)

@@ -2,9 +2,11 @@
 in the middle of it, leaves the folder loading whole as the earlier step; `latest` never offers a save that was
 not committed, and reads one whose commit was cut between its two renames."""
 
+import json
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -153,3 +155,80 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it(saved, tmp_path)
     with pytest.raises(RuntimeError, match=r"ckpt: (loading|reading the step and config) failed on rank 0: ") as error:
         checkpoint.load_plain(model, optimizer, str(folder), checkpoint.train_state(0, seed=0, batch_size=8))
     assert "\n" not in str(error.value)
+
+
+def save_to(rank, world_size, *, path: str):
+    Trainer(rank, world_size, LAYOUTS["dp2 zero1"]).save(path)
+
+
+@pytest.mark.parametrize("suffix", ["", checkpoint_commit.PARTIAL, checkpoint_commit.REPLACED])
+def test_a_save_refuses_a_folder_the_course_did_not_make_and_leaves_it(tmp_path, suffix):
+    """A learner's folder where a save would replace or remove one (the path itself, its .partial, its .replaced)
+    is refused by name on every rank, before anything is written, and stays as it was."""
+    path = tmp_path / "results"
+    mine = tmp_path / f"results{suffix}"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("three years")
+    with pytest.raises(RankError, match="did not make it"):
+        launch(save_to, 2, path=str(path), timeout=60)
+    assert sorted(os.listdir(mine)) == ["thesis.txt"] and (mine / "thesis.txt").read_text() == "three years"
+
+
+def test_a_commit_tried_again_lists_its_files_not_its_own_checksums(tmp_path):
+    """A commit that failed after writing CHECKSUMS and is tried again (PendingSave.result) must not list the stale
+    CHECKSUMS inside the new one: the checkpoint would then refuse itself as corrupted."""
+    staging, path = tmp_path / "ckpt.partial", tmp_path / "ckpt"
+    staging.mkdir()
+    (staging / ".metadata").write_bytes(b"metadata")
+    (staging / "__0_0.distcp").write_bytes(b"weights")
+    (staging / checkpoint_commit.CHECKSUMS).write_text('{".metadata": "stale"}')    # the first try's
+    checkpoint_commit.commit(str(staging), str(path))
+    checkpoint_commit.verify_checksums(str(path))
+    listed = json.loads((path / checkpoint_commit.CHECKSUMS).read_text())
+    assert sorted(listed) == [".metadata", "__0_0.distcp"]
+
+
+def train_while_saving_slowly(rank, world_size, *, root: str):
+    """Rank 1's disk is slow: its asynchronous save still writes (DCP's collectives in a thread) while both ranks
+    train on, all-reducing on the default group, and then save again."""
+    import torch.distributed.checkpoint.filesystem as files
+    if rank == 1:
+        write = files._write_item
+        files._write_item = lambda *args, **kwargs: (time.sleep(0.2), write(*args, **kwargs))[1]
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    trainer.save(os.path.join(root, "first"), asynchronous=True)
+    for _ in range(2):
+        trainer.step()
+    trainer.save(os.path.join(root, "second"), asynchronous=True).result()   # waits for the first one too
+    return trainer.next_step
+
+
+def test_training_goes_on_beside_an_asynchronous_save_without_mixing_their_collectives(tmp_path):
+    assert launch(train_while_saving_slowly, 2, root=str(tmp_path), timeout=120) == [3, 3]
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "second")
+    model = build(preset("tiny"), dtype=torch.float64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    first = checkpoint.load_plain(model, optimizer, str(tmp_path / "first"), checkpoint.train_state(0, seed=0,
+                                                                                                   batch_size=8))
+    assert first["step"] == 1
+
+
+def refused_load_keeps(rank, world_size, *, path: str):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"], seed=1)
+    trainer.step()
+    before = {name: piece.clone() for name, piece in trainer.pieces().items()}
+    try:
+        trainer.load(path)
+    except ValueError as error:
+        assert "is not this run's" in str(error)
+    else:
+        raise AssertionError("a checkpoint of another data stream was loaded")
+    after = trainer.pieces()
+    return all(torch.equal(before[name], after[name]) for name in before) and trainer.next_step == 1
+
+
+def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
+    path = str(tmp_path / "ckpt")
+    launch(save_to, 2, path=path, timeout=60)
+    assert launch(refused_load_keeps, 2, path=path, timeout=60) == [True, True]

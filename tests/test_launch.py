@@ -416,3 +416,18 @@ def test_nodes_started_with_different_arguments_are_named_before_any_work(tmp_pa
     for node in nodes:
         out, err = node.communicate(timeout=90)
         assert node.returncode == 0 and out.strip() == f"[2, 2] ['{host}']", err[-2000:]
+
+
+def test_a_worker_already_reaped_is_not_signalled_by_its_old_pid(monkeypatch):
+    """Once joined, a worker's pid is free for any new process: cleaning up after it must not send SIGKILL to it
+    (its group, gone with it, is all kill_group may still signal)."""
+    import multiprocessing
+
+    from course_lib.runtime.processes import kill_group
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    worker.start()
+    worker.join()
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(pid))
+    kill_group(worker)
+    assert killed == []

@@ -107,11 +107,12 @@ class Trainer:
         return checkpoint.save(self.dp, self.mesh, self.rank, path, self.train_state(), asynchronous=asynchronous)
 
     def load(self, path: str) -> dict:
-        train = checkpoint.load(self.dp, self.mesh, self.rank, path, self.train_state())
-        if (train["data"]["seed"], train["data"]["batch_size"]) != (self.seed, self.batch_size):
-            raise ValueError(f"the checkpoint's data stream (seed {train['data']['seed']}, batch "
-                             f"{train['data']['batch_size']}) is not this run's (seed {self.seed}, batch "
-                             f"{self.batch_size}): resuming would train on other data")
+        def same_data(saved: dict) -> None:
+            if (saved["data"]["seed"], saved["data"]["batch_size"]) != (self.seed, self.batch_size):
+                raise ValueError(f"the checkpoint's data stream (seed {saved['data']['seed']}, batch "
+                                 f"{saved['data']['batch_size']}) is not this run's (seed {self.seed}, batch "
+                                 f"{self.batch_size}): resuming would train on other data")
+        train = checkpoint.load(self.dp, self.mesh, self.rank, path, self.train_state(), check=same_data)
         self.next_step = train["data"]["next_step"]
         return train
 
@@ -175,15 +176,13 @@ def async_overlap(rank: int, world_size: int, *, layout: dict, root: str, steps:
     pending = None
     for kind in ("plain", "save", "async_save"):
         for k in range(steps):
-            dist.barrier()
+            dist.barrier()               # the default group: the saves' own collectives run on groups of their own
             start = time.perf_counter()
             path = os.path.join(root, f"{kind}_{k}")
             if kind == "save":
                 trainer.save(path)
             elif kind == "async_save":
-                if pending is not None:
-                    pending.result()
-                pending = trainer.save(path, asynchronous=True)
+                pending = trainer.save(path, asynchronous=True)   # waits for the last one first
                 timings["async_blocking"].append(time.perf_counter() - start)
             trainer.step()
             timings[kind].append(time.perf_counter() - start)

@@ -64,14 +64,17 @@ def describe_exit(code) -> str:
     return str(code)
 
 
-def kill_group(pid: int) -> None:
-    """SIGKILL to the process group that the worker ``pid`` leads (it called setpgrp): the worker and every process
-    it started that did not leave the group. The group outlives its leader while any member lives."""
+def kill_group(proc) -> None:
+    """SIGKILL to the process group that the worker ``proc`` (a multiprocessing Process) leads (it called setpgrp):
+    the worker and every process it started that did not leave the group. The group outlives its leader while any
+    member lives. With the group gone, the worker alone, and only while it has not been reaped: once joined, its
+    pid is free, and another process may already have it."""
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # nothing left in the group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -191,9 +191,9 @@ class WorkerGroup:
         """Kill the process of ``rank`` and everything it started; close what connected us to it."""
         self.conns[rank].close()
         proc = self.procs[rank]
-        kill_group(proc.pid)
+        kill_group(proc)
         proc.join(timeout=5)
-        kill_group(proc.pid)  # anything its last moments started
+        kill_group(proc)  # anything its last moments started
         self._pump_output()  # its last words (a reader at EOF is dropped there)
         for fd, (r, _, reader) in list(self._outputs.items()):
             if r == rank:
@@ -387,7 +387,7 @@ class WorkerGroup:
             for proc in started:
                 proc.join(timeout=max(0.0, end - time.monotonic()))
             for proc in started:
-                kill_group(proc.pid)  # a rank that ended leaves what it started running: `sleep 300`, say
+                kill_group(proc)  # a rank that ended leaves what it started running: `sleep 300`, say
                 proc.join(timeout=5)  # bounded: a cleanup must never be what hangs
             self._alive_w.close()  # any rank still there now reads EOF and ends itself with its group
             for _, _, reader in self._outputs.values():

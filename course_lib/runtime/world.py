@@ -226,7 +226,7 @@ class World:
         # Its peers waiting for it in a collective then fail fast (its sockets close) and keep their variables.
         paused = [r for r in self._missing(ranks, replies) if is_stopped(self.group.procs[r].pid)]
         for r in paused:
-            kill_group(self.group.procs[r].pid)
+            kill_group(self.group.procs[r])
         if paused:
             wait_for_stuck(GRACE)
         if interrupt_first and self._missing(ranks, replies):
