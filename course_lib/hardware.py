@@ -189,8 +189,8 @@ GPUS = {
 
 
 def is_number(value) -> bool:
-    """An int or a float, not a bool (True is an int to Python, and a share of 1 to nobody)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float, not a bool (True is an int to Python, and a share of 1 to nobody)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(value) -> bool:
@@ -206,11 +206,16 @@ def find_gpu(name_or_gpu) -> GPU:
                  "nvlink.bytes_per_s": gpu.nvlink.bytes_per_s, "network.bytes_per_s": gpu.network.bytes_per_s,
                  "attention_share": gpu.attention_share}
         shares = {"matmul_share": gpu.matmul_share, "hbm_share": gpu.hbm_share}
+        # what a kernel or a step costs on top of its work, and the shape that halves a rate: 0 or more
+        costs = {name: getattr(gpu, name) for name in ("matmul_half_dim", "attention_half_dim", "launch_s",
+                                                       "layer_overhead_s", "layer_update_overhead_s", "step_overhead_s",
+                                                       "optimizer_bytes_per_param")}
         bad = [f"{name}={value!r}" for name, value in rates.items() if not _positive(value)]
         bad += [f"{name}={value!r}" for name, value in shares.items() if not (_positive(value) and value <= 1)]
+        bad += [f"{name}={value!r}" for name, value in costs.items() if not (is_number(value) and value >= 0)]
         if bad:
             raise ValueError(f"GPU {gpu.name!r}: {', '.join(bad)}: rates and sizes are positive numbers, "
-                             "matmul_share and hbm_share in (0, 1]")
+                             "matmul_share and hbm_share in (0, 1], overheads and half dims 0 or more")
         return gpu
     if name_or_gpu not in GPUS:
         raise ValueError(f"unknown GPU {name_or_gpu!r}; the catalogue has {', '.join(GPUS)} "

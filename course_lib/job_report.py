@@ -356,9 +356,10 @@ def gpu_name(text: str) -> str:
     if text in GPUS:
         return text
     matches = sorted(name for name in GPUS if name.lower().startswith(text.lower()))
-    if not matches:
-        raise argparse.ArgumentTypeError(f"{text!r} is not in the catalogue: {', '.join(GPUS)}")
-    return matches[-1]
+    if len(matches) == 1 or matches and {name.split()[0].lower() for name in matches} == {text.lower()}:
+        return matches[-1]             # one GPU, or a family by its name: its largest memory
+    raise argparse.ArgumentTypeError(f"{text!r} " + ("names more than one GPU" if matches else "is not in the catalogue")
+                                     + f": {', '.join(matches or GPUS)}")
 
 
 class _OneLineParser(argparse.ArgumentParser):

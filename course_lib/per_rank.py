@@ -53,9 +53,15 @@ def layer_params(config, tp: int = 1, ep: int = 1) -> int:
     return (layer_projection_params(config) - experts + experts // ep) // tp + 2 * config.hidden
 
 
+def check_stage(mesh: Mesh, stage) -> None:
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < mesh.pp:
+        raise ValueError(f"stage={stage!r}: a pipeline stage is a whole number from 0 to pp - 1 = {mesh.pp - 1}")
+
+
 def layers_per_rank(config, mesh: Mesh, stage: int, num_chunks: int = 1) -> int:
     """How many layers a rank of pipeline stage ``stage`` holds: its part of partition_layers, or, with
     ``num_chunks`` v > 1 (interleaved schedules), its v chunks, virtual stages c·pp + stage (make_stage)."""
+    check_stage(mesh, stage)
     parts = partition_layers(config.num_layers, mesh.pp, num_chunks=num_chunks)
     return sum(len(parts[c * mesh.pp + stage]) for c in range(num_chunks))
 
@@ -324,6 +330,7 @@ def activation_bytes_per_rank(job: Job, stage: int) -> dict[str, int]:
     recompute = job.recompute
     sequence_parallel, fused_norm, num_chunks = job.sequence_parallel, job.fused_norm, job.num_chunks
     mesh.check_sequence(seq_len)
+    check_stage(mesh, stage)
     b, s = job.micro_batch_size, seq_len // mesh.cp
     terms = gpt_layer_activation_bytes(config, b, s, dtype, mesh.tp, sequence_parallel, fused_norm=fused_norm,
                                        recompute="none" if mesh.cp > 1 and recompute == "selective" else recompute)

@@ -83,6 +83,9 @@ class Workload:
         if self.global_batch_size < self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 and <= global_batch_size="
                              f"{self.global_batch_size}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
+                             f"{self.micro_batch_size}: a step is dp × m micro-batches of {self.micro_batch_size}")
 
     def assumptions(self) -> str:
         """What the memory counted for this workload assumes, in words (the planner prints it)."""
@@ -319,12 +322,17 @@ def compare_recipes(config, *, num_gpus: int, gpu_bytes: int, workload: Workload
         if m is None:
             continue                         # the global batch does not split over this many replicas
         for num_chunks in chunk_choices(config, mesh, m):
+            layout = None
             for stage in stages:
+                if workload.job(config, mesh, stage, convention=convention, num_chunks=num_chunks).problems():
+                    continue                 # one the job's own rules refuse (a sequence TP does not split): not offered
                 layout = cost_layout(recipe, config, mesh, stage, workload, gpu_bytes=gpu_bytes, num_chunks=num_chunks,
                                      gpu=gpu, gpus_per_node=gpus_per_node, convention=convention,
                                      reserve_share=reserve_share, dp_overlap=dp_overlap, **assumptions)
                 if layout.fits:
                     break                    # the lowest ZeRO stage that fits: least traffic
+            if layout is None:
+                continue
             old = best.get(recipe)
             if old is None or (layout.fits, layout.time.tokens_per_s if layout.fits else -layout.memory["total"]) > (
                     old.fits, old.time.tokens_per_s if old.fits else -old.memory["total"]):

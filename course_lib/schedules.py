@@ -34,6 +34,7 @@ backward. Two more kinds of schedule need more:
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 
 
 def op_parts(action) -> tuple[str, int, int]:
@@ -85,8 +86,10 @@ def interleaved_actions(stage: int, num_stages: int, num_microbatches: int,
     forwards (what fills the pipe before the first backward can return), then one forward and one backward in
     turn, then the backwards left."""
     p, m, v = num_stages, num_microbatches, num_chunks
-    if p < 2 or m % p:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches={m} to be a multiple of num_stages={p} (>= 2): "
+    if p < 2:
+        raise ValueError(f"interleaved 1F1B needs num_stages={p} >= 2: its chunks go round the pipeline's ranks")
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches={m} to be a multiple of num_stages={p}: "
                          "micro-batches go round the ranks in groups of p (Megatron-LM's rule)")
 
     def forward(i):   # this rank's i-th forward
@@ -149,15 +152,15 @@ def schedule_actions(schedule, num_stages: int, num_microbatches: int, num_chunk
     # Messages between two ranks are matched in the order they are posted: what a sends to b, in a's order,
     # must be what b receives from a, in b's order.
     n = p * v
-    sent = {(a, b): [] for a in range(p) for b in range(p)}
-    received = {(a, b): [] for a in range(p) for b in range(p)}
+    sent, received = defaultdict(list), defaultdict(list)     # keyed by (from, to): neighbours only, not p²
     for s, acts in enumerate(ops):
         for kind, k, c in acts:
             if (target := sends_to(kind, c * p + s, n)) is not None:
                 sent[s, target % p].append((kind, k, target))
             if (source := needs_from(kind, c * p + s, n)) is not None:
                 received[source % p, s].append((kind, k, c * p + s))
-    for (a, b), messages in sent.items():
+    for a, b in set(sent) | set(received):
+        messages = sent[a, b]
         if messages != received[a, b]:
             kind = next(x for x, y in zip(messages, received[a, b]) if x != y)[0]
             raise ValueError(f"stages {a} and {b} order their {kind} micro-batches differently; they cross the "

@@ -299,8 +299,9 @@ def check_tp_divisible(config, tp: int) -> None:
     problems = [f"{value} {what} ({name}) cannot split over TP={tp} ({value} % {tp} = {value % tp}): {why}"
                 for name, value, what, why in rules if value % tp]
     if problems:
-        divisors = [d for d in range(1, config.num_kv_heads + 1)
-                    if not (config.num_heads % d or config.num_kv_heads % d or config.intermediate % d)]
+        common = math.gcd(config.num_heads, config.num_kv_heads, config.intermediate)   # what every degree divides
+        small = [d for d in range(1, math.isqrt(common) + 1) if common % d == 0]
+        divisors = sorted(set(small + [common // d for d in small]))
         raise ValueError("; ".join(problems) + f". TP degrees that work for this model: {divisors}")
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -568,7 +569,10 @@ def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
             step_time(Job(seven, Mesh(dp=8), **kw), dp_overlap=flag)
     h100 = GPUS["H100 SXM"]
     for bad, says in ((dict(peak_flops=0), "peak_flops=0"), (dict(hbm_share=1.5), "hbm_share=1.5"),
-                      (dict(network=dataclasses.replace(h100.network, bytes_per_s=-1.0)), "network.bytes_per_s=-1.0")):
+                      (dict(network=dataclasses.replace(h100.network, bytes_per_s=-1.0)), "network.bytes_per_s=-1.0"),
+                      (dict(layer_overhead_s=-1), "layer_overhead_s=-1"), (dict(step_overhead_s=True), "step_overhead_s=True"),
+                      (dict(layer_update_overhead_s=math.nan), "layer_update_overhead_s=nan"),
+                      (dict(matmul_half_dim=-4096), "matmul_half_dim=-4096"), (dict(peak_flops=math.inf), "peak_flops=inf")):
         with pytest.raises(ValueError, match=f"GPU 'H100 SXM 80GB': {says}: rates and sizes are positive"):
             step_time(Job(seven, Mesh(dp=8), seq_len=4096, gpu=dataclasses.replace(h100, **bad)))
 

@@ -122,3 +122,48 @@ def test_a_broken_rule_names_the_value(changes, rule):
     with pytest.raises(ValueError, match=None) as refused:
         Job(TINY).replace(**changes).check()
     assert rule in str(refused.value)
+
+
+def test_a_pipeline_too_long_to_lay_out_is_refused_at_once_not_built():
+    """pp × m × v forwards is what checking the schedule walks: beyond job.LIMIT it is a typo, refused by name in
+    well under a second (built, 8 × 2²⁰ would take minutes)."""
+    import time
+
+    from course_lib.job import LIMIT
+    start = time.perf_counter()
+    problems = Job(preset("tiny", num_layers=8), Mesh(pp=8), num_microbatches=LIMIT).problems()
+    assert time.perf_counter() - start < 1.0
+    assert problems == [f"pp 8 × num_microbatches {LIMIT} × num_chunks 1 = {8 * LIMIT:,} forwards through the "
+                        f"pipeline's stages: more than the course lays out ({LIMIT:,}), a typo rather than a run"]
+
+
+def test_interleaving_on_one_stage_names_the_rule_it_breaks():
+    problems = Job(preset("tiny"), schedule="interleaved", num_chunks=2, num_microbatches=4).problems()
+    assert any("interleaved 1F1B needs num_stages=1 >= 2" in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize("stage", [-1, 2, True, 0.0])
+def test_a_stage_outside_the_pipeline_is_refused_by_every_per_rank_count(stage):
+    job = Job(preset("tiny"), Mesh(dp=2, pp=2), num_microbatches=2, zero_stage=1)
+    for count in (per_rank.data_parallel_state_bytes, per_rank.activation_bytes_per_rank,
+                  per_rank.sent_bytes_per_rank):
+        with pytest.raises(ValueError, match=rf"stage={stage!r}: a pipeline stage is a whole number from 0 to pp - 1"):
+            count(job, stage)
+
+
+def test_a_capacity_that_drops_tokens_is_not_priced():
+    """Below capacity 1 the experts compute fewer tokens than MFU counts: a share of the peak above 1 would follow."""
+    job = Job(preset("mixtral-8x7b"), Mesh(dp=8, ep=8), data_parallel=False, zero_stage=1, gpu="H100 SXM",
+              seq_len=4096, num_microbatches=4, capacity_factor=0.5)
+    with pytest.raises(ValueError, match=r"capacity_factor=0.5: below 1 the router drops tokens"):
+        cost.step_time(job)
+    assert cost.step_time(job.replace(capacity_factor=1.0)).mfu < 1
+
+
+def test_the_planner_offers_only_layouts_the_job_allows():
+    """A sequence TP cannot split (4,095 tokens with sequence parallelism) rules out TP layouts, not the plan."""
+    from course_lib.plan import plan
+    from course_lib.recipes import Workload
+    answer = plan(preset("llama2-7b"), num_gpus=8, workload=Workload(seq_len=4095, sequence_parallel=True,
+                                                                      global_batch_size=64))
+    assert answer.fits and all(candidate.mesh.tp == 1 for candidate in answer.candidates)

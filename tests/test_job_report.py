@@ -608,3 +608,15 @@ def test_megatrons_dropless_experts_send_the_routed_rows(tmp_path):
     small = read.job.replace(num_microbatches=4)
     run = run_rank(small, 0)
     assert run["sent_bytes"]["ep"] == sent_bytes_per_rank(small, 0)["ep"] > 0
+
+
+def test_a_gpu_typed_short_must_name_one_gpu_or_a_family():
+    import argparse
+
+    from course_lib.job_report import gpu_name
+    assert [gpu_name(text) for text in ("H100", "a100", "A100 40", "h200 sxm")] == [
+        "H100 SXM", "A100 80GB", "A100 40GB", "H200 SXM"]
+    for text, why in (("", "names more than one GPU"), ("H", "names more than one GPU"),
+                      ("B200", "is not in the catalogue")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            gpu_name(text)

@@ -65,6 +65,13 @@ def test_layers_split_by_count_with_the_extra_layers_first():
     assert partition_layers(12, 2) == [range(0, 6), range(6, 12)]
     assert partition_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
     assert partition_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    # as the docstring says: stages differ by at most one layer, the first ones taking the extra (7 over 3 is
+    # 3, 2, 2, where a minimum of the largest stage alone allows 3, 3, 1)
+    assert [len(part) for part in partition_layers(7, 3)] == [3, 2, 2]
+    assert all(max(map(len, parts)) - min(map(len, parts)) <= 1 and list(map(len, parts)) == sorted(
+        map(len, parts), reverse=True) for layers in range(1, 40) for stages in range(1, layers + 1)
+        for parts in [partition_layers(layers, stages)])
+    assert len(partition_layers(10**12, 8)[0]) == 125_000_000_000                    # closed form: no list of 10¹²
 
 
 def test_layers_split_by_cost_minimises_the_slowest_stage():

@@ -64,7 +64,9 @@ def test_the_recipes_are_compared_and_the_fastest_that_fits_wins():
     # more dp at a fixed global batch: fewer micro-batches each
     assert Workload(global_batch_size=1024).num_microbatches(8) == 128
     assert Workload(global_batch_size=1024).num_microbatches(16) == 64
-    assert Workload(global_batch_size=1000, micro_batch_size=3).num_microbatches(8) is None
+    assert Workload(global_batch_size=1000, micro_batch_size=4).num_microbatches(8) is None   # 1000 / 32
+    with pytest.raises(ValueError, match="global_batch_size=1000 is not a multiple of micro_batch_size=3"):
+        Workload(global_batch_size=1000, micro_batch_size=3)          # no dp splits it: refused at once
 
 
 def test_a_plan_shows_in_a_notebook_as_tables_with_its_assumptions_once():

@@ -133,6 +133,11 @@ class Job:
         if found:            # the rules below compare values, and one of them may be a typo of 10**9
             return found
         found = self._mesh_problems() + self._option_problems()
+        operations = self.mesh.pp * self.num_microbatches * self.num_chunks
+        if not found and operations > LIMIT:
+            found.append(f"pp {self.mesh.pp} × num_microbatches {self.num_microbatches} × num_chunks {self.num_chunks}"
+                         f" = {operations:,} forwards through the pipeline's stages: more than the course lays out "
+                         f"({LIMIT:,}), a typo rather than a run")
         if not found:        # the schedule is built step by step: only for a job that passed the rest
             problem = _schedule_problem(self.schedule, self.mesh.pp, self.num_microbatches, self.num_chunks)
             found += [problem] if problem else []
