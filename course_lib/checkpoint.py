@@ -291,6 +291,7 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     staging = path + PARTIAL
     unfinished.finish()                                  # one save at a time: an asynchronous one still writing
     check_ours(path)                                     # on every rank: the same verdict, so none waits alone
+    torch.distributed.barrier()                          # every rank has looked before rank 0 makes the staging
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)     # an earlier save of this path that never finished
         os.makedirs(staging)

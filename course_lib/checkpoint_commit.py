@@ -35,7 +35,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .runtime import unfinished
-from .runtime.files import write_atomically
+from .runtime.files import sync_folder, write_atomically
 
 PARTIAL, REPLACED, CHECKSUMS, MARKER = ".partial", ".replaced", "checksums.json", ".made-by-course-checkpoint"
 
@@ -112,6 +112,7 @@ def commit(staging: str, path: str) -> None:
         shutil.rmtree(path + REPLACED, ignore_errors=True)
         os.rename(path, path + REPLACED)
     os.rename(staging, path)
+    sync_folder(os.path.dirname(os.path.abspath(path)))     # the renames on disk before the old one goes
     shutil.rmtree(path + REPLACED, ignore_errors=True)
 
 

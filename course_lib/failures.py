@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from .runtime.arguments import check_number, check_whole
+
 DAY_S = 86_400.0
 # Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.4): 419 unexpected interruptions in a 54-day
 # snapshot of pre-training on 16,384 H100 GPUs (78% of them hardware: GPUs, HBM, hosts, network).
@@ -36,15 +38,15 @@ def mtbf_seconds(num_gpus: int, interruptions: int = LLAMA3["interruptions"], da
                  observed_gpus: int = LLAMA3["gpus"]) -> float:
     """A ``num_gpus`` job's mean time between failures, from ``interruptions`` seen in ``days`` on ``observed_gpus``
     GPUs (failures per GPU-second scale with the number of GPUs): M = days · observed_gpus / (interruptions · N)."""
-    if num_gpus < 1 or interruptions < 1 or days <= 0 or observed_gpus < 1:
-        raise ValueError(f"num_gpus={num_gpus}, interruptions={interruptions}, days={days} and "
-                         f"observed_gpus={observed_gpus} must all be positive")
+    for name, value in (("num_gpus", num_gpus), ("interruptions", interruptions), ("observed_gpus", observed_gpus)):
+        check_whole(name, value)
+    check_number("days", days, above=0)
     return days * DAY_S * observed_gpus / (interruptions * num_gpus)
 
 
 def _check(checkpoint_s: float, mtbf_s: float) -> None:
-    if checkpoint_s <= 0 or mtbf_s <= 0:
-        raise ValueError(f"checkpoint_s={checkpoint_s} and mtbf_s={mtbf_s} must be > 0")
+    check_number("checkpoint_s", checkpoint_s, above=0)
+    check_number("mtbf_s", mtbf_s, above=0)
 
 
 def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
@@ -66,8 +68,8 @@ def waste_fraction(interval_s: float, checkpoint_s: float, mtbf_s: float, restar
     """The share of a run lost at checkpoint interval τ: {"checkpoint": δ/τ, "lost_work": τ/(2M),
     "restart": R/M, "total"} (first order: valid while τ and δ are small beside M)."""
     _check(checkpoint_s, mtbf_s)
-    if interval_s <= 0 or restart_s < 0:
-        raise ValueError(f"interval_s={interval_s} must be > 0 and restart_s={restart_s} >= 0")
+    check_number("interval_s", interval_s, above=0)
+    check_number("restart_s", restart_s, at_least=0)
     parts = {"checkpoint": checkpoint_s / interval_s, "lost_work": interval_s / (2 * mtbf_s),
              "restart": restart_s / mtbf_s}
     return {**parts, "total": sum(parts.values())}
@@ -75,8 +77,8 @@ def waste_fraction(interval_s: float, checkpoint_s: float, mtbf_s: float, restar
 
 def checkpoint_seconds(state_bytes: float, write_bytes_per_s: float) -> float:
     """δ for a synchronous save: the whole checkpoint over the storage's aggregate write bandwidth."""
-    if state_bytes <= 0 or write_bytes_per_s <= 0:
-        raise ValueError(f"state_bytes={state_bytes} and write_bytes_per_s={write_bytes_per_s} must be > 0")
+    check_number("state_bytes", state_bytes, above=0)
+    check_number("write_bytes_per_s", write_bytes_per_s, above=0)
     return state_bytes / write_bytes_per_s
 
 
@@ -87,6 +89,9 @@ def straggler_report(step_seconds: list[float], comm_seconds: list[float]) -> di
     if len(step_seconds) != len(comm_seconds) or not step_seconds:
         raise ValueError(f"one step time and one collective time per rank: got {len(step_seconds)} and "
                          f"{len(comm_seconds)}")
+    for rank, (step, comm) in enumerate(zip(step_seconds, comm_seconds)):
+        check_number(f"step_seconds[{rank}]", step, above=0)
+        check_number(f"comm_seconds[{rank}]", comm, at_least=0, below=step)   # inside the step
     compute = [s - c for s, c in zip(step_seconds, comm_seconds)]
     slowest = max(range(len(compute)), key=compute.__getitem__)
     return {"compute": compute, "straggler": slowest,

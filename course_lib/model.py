@@ -60,7 +60,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads",
                      "intermediate", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
@@ -71,11 +71,13 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim = hidden/num_heads = {self.hidden}/{self.num_heads} = {self.head_dim} "
                              "is odd: rotary embeddings rotate channels in pairs")
-        if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
-            raise ValueError(f"num_experts={self.num_experts} must be >= 0 (0: a dense MLP) and top_k={self.top_k} "
-                             "between 1 and num_experts")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must both be > 0")
+        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.num_experts, self.top_k))
+        if not whole or self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
+            raise ValueError(f"num_experts={self.num_experts!r} must be a whole number >= 0 (0: a dense MLP) and "
+                             f"top_k={self.top_k!r} a whole number between 1 and num_experts")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                   for v in (self.rope_theta, self.norm_eps)):
+            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must both be finite and > 0")
 
     @property
     def head_dim(self) -> int:

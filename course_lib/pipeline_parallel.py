@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -94,20 +93,11 @@ def pipeline_makespan(num_stages: int, num_microbatches: int, forward_s: float, 
 
 # ---------------------------------------------------------------------------------------------- stages
 
-@functools.lru_cache(maxsize=None)
-def _partition_evenly(num_layers: int, num_stages: int) -> tuple[range, ...]:
-    """num_layers // num_stages layers a stage, the first num_layers % num_stages stages one more (as picotron
-    splits them): in closed form, as the planner asks thousands of times."""
-    per_stage, extra = divmod(num_layers, num_stages)
-    bounds = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
-    return tuple(range(start, end) for start, end in zip(bounds, bounds[1:]))
-
-
 def partition_layers(num_layers: int, num_stages: int, layer_costs=None, num_chunks: int = 1) -> list[range]:
     """Contiguous layer ranges, one per stage, that make the most expensive stage as cheap as possible.
 
     Without ``layer_costs`` every layer costs the same, so stages differ by at most one layer (earlier stages
-    take the extra ones: the last also holds the head). Dynamic programming over (stages, layers): tiny.
+    take the extra ones: the last also holds the head). With costs, dynamic programming over (stages, layers).
     ``num_chunks`` = v: cut into p·v virtual stages instead (interleaved schedules, `make_stage`).
     """
     if num_stages < 1 or num_chunks < 1:
@@ -120,8 +110,10 @@ def partition_layers(num_layers: int, num_stages: int, layer_costs=None, num_chu
                          f"stages > num_layers={num_layers}: every virtual stage needs at least one layer (use "
                          "fewer stages or chunks, or a model with more layers)")
     num_stages *= num_chunks
-    if layer_costs is None:   # the planner asks thousands of times: remember the answers
-        return list(_partition_evenly(num_layers, num_stages))
+    if layer_costs is None:   # the first num_layers % num_stages stages one layer more, as picotron splits them
+        per_stage, extra = divmod(num_layers, num_stages)
+        bounds = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
+        return [range(start, end) for start, end in zip(bounds, bounds[1:])]
     costs = [float(c) for c in layer_costs]
     if len(costs) != num_layers or any(c < 0 for c in costs):
         raise ValueError(f"layer_costs={layer_costs!r}: give one cost >= 0 for each of the {num_layers} layers")

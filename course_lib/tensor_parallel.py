@@ -300,8 +300,7 @@ def check_tp_divisible(config, tp: int) -> None:
                 for name, value, what, why in rules if value % tp]
     if problems:
         common = math.gcd(config.num_heads, config.num_kv_heads, config.intermediate)   # what every degree divides
-        small = [d for d in range(1, math.isqrt(common) + 1) if common % d == 0]
-        divisors = sorted(set(small + [common // d for d in small]))
+        divisors = sorted({d for k in range(1, math.isqrt(common) + 1) if common % k == 0 for d in (k, common // k)})
         raise ValueError("; ".join(problems) + f". TP degrees that work for this model: {divisors}")
 
 

@@ -36,10 +36,13 @@ def test_checkpointing_every_step_costs_the_checkpoint_over_the_step():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: failures.young_interval(0, 10), "checkpoint_s=0 and mtbf_s=10 must be > 0"),
+    (lambda: failures.young_interval(0, 10), "checkpoint_s=0 must be a finite number > 0"),
     (lambda: failures.mtbf_seconds(0), "num_gpus=0"),
-    (lambda: failures.waste_fraction(-1, 1, 1), "interval_s=-1 must be > 0"),
+    (lambda: failures.mtbf_seconds(True), "num_gpus=True must be a whole number"),
+    (lambda: failures.waste_fraction(-1, 1, 1), "interval_s=-1 must be a finite number > 0"),
+    (lambda: failures.waste_fraction(math.nan, 60, 3600), "interval_s=nan must be a finite number"),
     (lambda: failures.straggler_report([1.0], [0.5, 0.5]), "one step time and one collective time per rank"),
+    (lambda: failures.straggler_report([1.0, 1.0], [2.0, 0.1]), r"comm_seconds\[0\]=2.0 must be .* < 1"),
 ])
 def test_bad_numbers_are_refused_by_name(call, message):
     with pytest.raises(ValueError, match=message):

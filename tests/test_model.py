@@ -154,7 +154,11 @@ def test_preset_overrides_and_unknown_names():
     (dict(hidden=24, num_heads=8), "head_dim = hidden/num_heads = 24/8 = 3 is odd"),
     (dict(num_layers=0), "num_layers=0 must be a positive integer"),
     (dict(vocab_size=-5), "vocab_size=-5 must be a positive integer"),
-    (dict(num_experts=4, top_k=5), "num_experts=4 must be >= 0 \\(0: a dense MLP\\) and top_k=5 between 1 and"),
+    (dict(num_experts=4, top_k=5), "num_experts=4 must be a whole number >= 0 \\(0: a dense MLP\\) and top_k=5 a whole"),
+    (dict(num_layers=True), "num_layers=True must be a positive integer"),
+    (dict(num_experts=4.5), "num_experts=4.5 must be a whole number"),
+    (dict(num_experts=4, top_k=1.5), "top_k=1.5 a whole number between 1 and num_experts"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan and norm_eps=1e-05 must both be finite and > 0"),
 ])
 def test_config_errors_name_the_values(overrides, message):
     with pytest.raises(ValueError, match=message):

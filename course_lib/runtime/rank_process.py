@@ -95,6 +95,7 @@ def worker_main(rank, world_size, backend, store_port, threads, exit_after_error
                       "its result() before returning)", file=sys.stderr)
             reply = _pickled_result(rank, value)
         except BaseException as exc:  # KeyboardInterrupt too: the notebook should hear about it
+            unfinished.abandon()
             _reply_error(conn, exc)
             if exit_after_error:
                 os._exit(1)  # closing our sockets makes peers blocked in a collective fail fast

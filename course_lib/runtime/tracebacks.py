@@ -53,7 +53,8 @@ def name_cells(text: str) -> str:
     """Shorter file names in a rank's traceback: 'Cell In[3]' (as IPython writes it) for the kernel's temporary
     file of a notebook cell, '.../site-packages/torch/...' for installed packages, 'course_lib/...' for ours."""
     text = re.sub(r'File "[^"]*/site-packages/', 'File ".../site-packages/', text)
-    text = text.replace(f'File "{os.path.dirname(os.path.dirname(__file__))}/', 'File "')  # course_lib/...
+    repository = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    text = text.replace(f'File "{repository}/', 'File "')  # course_lib/..., not a learner's own checkpoint.py
     try:
         from IPython import get_ipython
         compiler = get_ipython().compile

@@ -27,3 +27,10 @@ def finish() -> list[str]:
         work.result()
         finished.append(str(work))
     return finished
+
+
+def abandon() -> None:
+    """Forget every piece nobody waited for: the function that started it failed, its peers may be gone, and
+    waiting for it could hang (its thread finishes or fails on its own; an asynchronous save never commits, and the
+    checkpoint before it stays). The next function's pieces are then its own."""
+    _UNFINISHED.clear()
