@@ -285,11 +285,12 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     """Write this rank's boxes (a collective: every rank calls it) into ``path``.partial, then commit it as
     ``path`` (module docstring). ``asynchronous``: dcp.async_save, which stages (copies) the state in memory,
     returns, and writes in a background thread on a gloo group of its own, committed when it is done. Returns the
-    future (its result() waits for the commit), or DCP's metadata. Refuses a folder it would replace that the course
+    future (rank 0's result() waits for the commit; the next save or load waits for rank 0), or DCP's metadata. Refuses a folder it would replace that the course
     did not make (checkpoint_commit.check_ours)."""
     path = os.path.normpath(path)
     staging = path + PARTIAL
     unfinished.finish()                                  # one save at a time: an asynchronous one still writing
+    torch.distributed.barrier()                          # ... and committed by rank 0
     check_ours(path)                                     # on every rank: the same verdict, so none waits alone
     torch.distributed.barrier()                          # every rank has looked before rank 0 makes the staging
     if rank == 0:
@@ -319,7 +320,8 @@ def load(data_parallel, mesh, rank: int, path: str, train: dict, check=None) -> 
     the same keys, e.g. train_state(0, ...), whose values are replaced). ZeRO-1/2 keep whole weights: after the
     shards are loaded the dp ranks all-gather them, as after an optimizer step. ``check(saved train)``, if given,
     refuses a checkpoint by raising, before anything of this rank is overwritten."""
-    torch.distributed.barrier()              # rank 0 has committed what every rank saved before (PendingSave)
+    unfinished.finish()                      # an asynchronous save still writing, then rank 0's commit of it
+    torch.distributed.barrier()
     folder = committed(path)
     verify_checksums(folder)
     saved = _read_train(folder, train)

@@ -71,8 +71,9 @@ def verify_checksums(folder: str) -> None:
 
 class PendingSave:
     """dcp.async_save's future, committed by rank 0 as soon as its writes are done (on rank 0, done means every
-    rank's file and the .metadata are written): ``result()`` returns once it is, and closes the save's own group.
-    Another rank that reads the checkpoint next waits for rank 0 first: ``load`` starts with a barrier."""
+    rank's file and the .metadata are written): rank 0's ``result()`` returns once it is, another rank's once its
+    own writes are; each closes the save's own group. The next save or load waits for every rank's, then meets
+    the others at a barrier: rank 0 has committed by then."""
 
     def __init__(self, future, staging: str, path: str, commits: bool, group=None):
         self._future, self._staging, self.path, self._group = future, staging, path, group

@@ -146,8 +146,10 @@ from .tensor_parallel import tp_allreduce_bytes
 
 # ---------------------------------------------------------------------------------------------- 1. FLOPs
 
-def forward_terms(config: ModelConfig, *, batch_size: int, seq_len: int) -> dict[str, int]:
-    """One forward's matmul FLOPs by part (layer parts summed over all layers), as in the module docstring."""
+def forward_terms(config: ModelConfig, *, batch_size: int, seq_len: int,
+                  capacity_factor: float | None = None) -> dict[str, int]:
+    """One forward's matmul FLOPs by part (layer parts summed over all layers), as in the module docstring. A
+    mixture of experts with ``capacity_factor`` below 1 drops tokens: its experts compute that share of them."""
     if not 1 <= seq_len <= config.max_seq_len or batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1 and seq_len={seq_len} in 1..{config.max_seq_len}")
     b, s, d, h_d, L = batch_size, seq_len, config.hidden, config.head_dim, config.num_layers
@@ -156,11 +158,12 @@ def forward_terms(config: ModelConfig, *, batch_size: int, seq_len: int) -> dict
     # matmul of d × num_experts: the FLOPs of the active experts, not of all of them.
     experts = getattr(config, "num_experts", 0)
     active_mlps, router = (config.top_k, L * 2 * tokens * d * experts) if experts else (1, 0)
+    kept = min(1.0, capacity_factor) if experts and capacity_factor is not None else 1
     terms = {
         "attention projections": L * (2 * tokens * d * (n_h + 2 * n_kv) * h_d + 2 * tokens * n_h * h_d * d),
         "attention scores": L * 2 * b * n_h * s * s * h_d,
         "attention values": L * 2 * b * n_h * s * s * h_d,
-        "mlp": L * active_mlps * 3 * 2 * tokens * d * config.intermediate,
+        "mlp": int(L * active_mlps * 3 * 2 * tokens * d * config.intermediate * kept),
         "head": 2 * tokens * d * config.vocab_size,
     }
     return {**terms, "router": router} if experts else terms
@@ -199,10 +202,12 @@ def recompute_flops(terms: dict[str, int], recompute: str, config: ModelConfig |
             "full": core + terms["attention projections"] + terms["mlp"]}[recompute]
 
 
-def flops_per_step(config: ModelConfig, *, batch_size: int, seq_len: int, recompute: str = "none") -> Flops:
+def flops_per_step(config: ModelConfig, *, batch_size: int, seq_len: int, recompute: str = "none",
+                   capacity_factor: float | None = None) -> Flops:
     """Exact matmul FLOPs of one training step on ``batch_size`` sequences of ``seq_len`` tokens (module
-    docstring): causal attention counted in full, as Megatron-LM, PaLM and FlopCounterMode count it."""
-    terms = forward_terms(config, batch_size=batch_size, seq_len=seq_len)
+    docstring): causal attention counted in full, as Megatron-LM, PaLM and FlopCounterMode count it; the experts'
+    on the tokens a ``capacity_factor`` below 1 keeps."""
+    terms = forward_terms(config, batch_size=batch_size, seq_len=seq_len, capacity_factor=capacity_factor)
     forward = sum(terms.values())
     return Flops(forward, 2 * forward, recompute_flops(terms, recompute, config),
                  six_nd(config, tokens=batch_size * seq_len))
@@ -295,7 +300,8 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
                                                                                               job.mesh.pp)))
     total = m * (compute + layers_comm + pp) + bubble + dp + optimizer + overhead
     sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
-    flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute)
+    flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute,
+                           capacity_factor=job.capacity_factor)
     capacity = total * hw.peak_flops * job.mesh.size
     return StepTime(compute_s=m * compute, tp_s=m * axes["tp"], pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
                     tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
@@ -342,7 +348,7 @@ def _stage_seconds(job: Job, hw: GPU, *, compute_efficiency: float | None, tp_ov
                                  capacity_factor=job.capacity_factor, **kernels)
     head_ops = head_operations(config, hw, vocab_split=t if job.vocab_parallel else 1, seq_len=seq_len // cp,
                                **kernels)
-    terms = forward_terms(config, batch_size=b, seq_len=seq_len)
+    terms = forward_terms(config, batch_size=b, seq_len=seq_len, capacity_factor=job.capacity_factor)
     layer_flops = 3 * (sum(terms.values()) - terms["head"]) + recompute_flops(terms, job.recompute, config)
     layer_flops /= config.num_layers * cp
     head_flops = 3 * terms["head"] / (t if job.vocab_parallel else 1) / cp

@@ -63,9 +63,6 @@ def check_costed(job: Job, compute_efficiency, **shares) -> GPU:
         bad.append(f"compute_efficiency={compute_efficiency!r} (in (0, 1], or None)")
     if bad:
         raise ValueError(f"{', '.join(bad)}: shares are numbers in [0, 1], not True or False")
-    if job.capacity_factor is not None and job.capacity_factor < 1:
-        raise ValueError(f"capacity_factor={job.capacity_factor!r}: below 1 the router drops tokens whose expert FLOPs "
-                         "MFU would count as done; step_time prices a capacity of 1 or more (or None, no drop)")
     if job.dtype == "fp64":
         raise ValueError("dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates (fp32 too, a lower bound "
                          "on its time), this machine at its fp32 rates; fp64 is for the course's parity runs")

@@ -232,3 +232,16 @@ def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
     path = str(tmp_path / "ckpt")
     launch(save_to, 2, path=path, timeout=60)
     assert launch(refused_load_keeps, 2, path=path, timeout=60) == [True, True]
+
+
+def load_right_after_an_asynchronous_save(rank, world_size, *, root: str):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    path = os.path.join(root, "ckpt")
+    trainer.save(path, asynchronous=True)            # not waited for: load waits, and for rank 0's commit
+    trainer.save(path, asynchronous=True)            # a second save of the same path waits for the first too
+    return trainer.load(path)["data"]["next_step"]
+
+
+def test_a_load_or_a_save_right_after_an_asynchronous_save_finds_it_committed(tmp_path):
+    assert launch(load_right_after_an_asynchronous_save, 2, root=str(tmp_path), timeout=120) == [1, 1]

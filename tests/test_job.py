@@ -151,13 +151,17 @@ def test_a_stage_outside_the_pipeline_is_refused_by_every_per_rank_count(stage):
             count(job, stage)
 
 
-def test_a_capacity_that_drops_tokens_is_not_priced():
-    """Below capacity 1 the experts compute fewer tokens than MFU counts: a share of the peak above 1 would follow."""
+def test_a_capacity_that_drops_tokens_counts_only_the_experts_work_it_keeps():
+    """Below capacity 1 the experts compute that share of the tokens: MFU counts what the model computes (counting
+    the dropped ones too gave 1.23 at a quarter). The expert kernels shrink as the FLOPs do: the share stays put."""
     job = Job(preset("mixtral-8x7b"), Mesh(dp=8, ep=8), data_parallel=False, zero_stage=1, gpu="H100 SXM",
-              seq_len=4096, num_microbatches=4, capacity_factor=0.5)
-    with pytest.raises(ValueError, match=r"capacity_factor=0.5: below 1 the router drops tokens"):
-        cost.step_time(job)
-    assert cost.step_time(job.replace(capacity_factor=1.0)).mfu < 1
+              seq_len=4096, num_microbatches=4, capacity_factor=1.0)
+    full, terms = cost.step_time(job), cost.forward_terms(job.config, batch_size=1, seq_len=4096)
+    for factor in (0.5, 0.25, 1e-9):
+        dropped = cost.step_time(job.replace(capacity_factor=factor))
+        kept = cost.forward_terms(job.config, batch_size=1, seq_len=4096, capacity_factor=factor)
+        assert kept["mlp"] == int(factor * terms["mlp"]) and dropped.mfu < full.mfu < 1
+        assert dropped.achieved_share < 1
 
 
 def test_the_planner_offers_only_layouts_the_job_allows():

@@ -597,6 +597,7 @@ def test_megatrons_dropless_experts_send_the_routed_rows(tmp_path):
                           ("--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity", 1.25)):
         (tmp_path / "cf.sh").write_text(example.replace("--num-experts 8", f"--num-experts 8 {flags}"))
         assert read_config(tmp_path / "cf.sh", num_gpus=64).job.capacity_factor == factor, flags
+        assert main([str(tmp_path / "cf.sh"), "--gpus", "64"]) == 0, flags    # reported, dropped tokens and all
     bad = example.replace("--num-experts 8", "--num-experts 8 --moe-expert-capacity-factor x")
     (tmp_path / "bad.sh").write_text(bad)
     with pytest.raises(ConfigError, match="--moe-expert-capacity-factor x: a number above 0"):

@@ -31,6 +31,7 @@ def finish() -> list[str]:
 
 def abandon() -> None:
     """Forget every piece nobody waited for: the function that started it failed, its peers may be gone, and
-    waiting for it could hang (its thread finishes or fails on its own; an asynchronous save never commits, and the
-    checkpoint before it stays). The next function's pieces are then its own."""
+    waiting for it could hang. Its thread finishes or fails on its own (an asynchronous save whose writes all
+    finish is whole, and commits; one that does not leaves the checkpoint before it). The next function's pieces
+    are then its own."""
     _UNFINISHED.clear()
