@@ -285,8 +285,8 @@ def save(data_parallel, mesh, rank: int, path: str, train: dict, *, asynchronous
     """Write this rank's boxes (a collective: every rank calls it) into ``path``.partial, then commit it as
     ``path`` (module docstring). ``asynchronous``: dcp.async_save, which stages (copies) the state in memory,
     returns, and writes in a background thread on a gloo group of its own, committed when it is done. Returns the
-    future (rank 0's result() waits for the commit; the next save or load waits for rank 0), or DCP's metadata. Refuses a folder it would replace that the course
-    did not make (checkpoint_commit.check_ours)."""
+    future (rank 0's result() waits for the commit; the next save or load waits for rank 0), or DCP's metadata.
+    Refuses a folder it would replace that the course did not make (checkpoint_commit.check_ours)."""
     path = os.path.normpath(path)
     staging = path + PARTIAL
     unfinished.finish()                                  # one save at a time: an asynchronous one still writing
