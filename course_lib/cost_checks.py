@@ -12,8 +12,9 @@
 
 from __future__ import annotations
 
-from .hardware import GPU, find_gpu, is_number
+from .hardware import GPU, find_gpu
 from .job import Job, _schedule_problem
+from .runtime.arguments import is_number
 
 PIPELINE_SENDS = ("blocking", "async")
 CHECKPOINTS = ("non-reentrant", "reentrant")

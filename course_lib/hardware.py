@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .comm import CostModel
+from .runtime.arguments import is_number
 from .units import GiB
 
 GB = 10**9                     # bandwidths are decimal: 1 GB/s = 10**9 bytes per second
@@ -186,11 +187,6 @@ GPUS = {
                     H200_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE,
                     best_matmul_share=H100_BEST_MATMUL_SHARE),
 }
-
-
-def is_number(value) -> bool:
-    """A finite int or float, not a bool (True is an int to Python, and a share of 1 to nobody)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(value) -> bool:

@@ -36,6 +36,7 @@ from .feed_forward import (
     MLP as MLP,  # the feed-forward layers live in feed_forward.py; named here, where the model is built
 )
 from .feed_forward import MoE
+from .runtime.arguments import is_number
 
 
 @dataclass(kw_only=True)   # keywords only: ModelConfig(hidden=64, ...) reads better than 7 bare numbers
@@ -75,8 +76,7 @@ class ModelConfig:
         if not whole or self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
             raise ValueError(f"num_experts={self.num_experts!r} must be a whole number >= 0 (0: a dense MLP) and "
                              f"top_k={self.top_k!r} a whole number between 1 and num_experts")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                   for v in (self.rope_theta, self.norm_eps)):
+        if not all(is_number(v) and v > 0 for v in (self.rope_theta, self.norm_eps)):
             raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must both be finite and > 0")
 
     @property

@@ -204,7 +204,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if global_batch % (micro * dp):
         raise ConfigError(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro} × dp "
                           f"{dp} = {micro * dp}: Megatron runs whole micro-batches on every data-parallel rank")
-    num_chunks = _chunks(args, config.num_layers, pp)
+    even = not any(name in args for name in UNEVEN)     # no stage's layers set by hand
+    num_chunks = _chunks(args, config.num_layers, pp, even)
     precision = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
     convention = {"bf16": "bf16+fp32 grads", "fp16": "fp32 grad accumulation", "fp32": "fp32"}[precision]
     if args.get("grad-reduce-in-bf16") and precision == "bf16":
@@ -266,7 +267,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     return ReadConfig("megatron", where, job, name, conventions, not_modelled, unknown,
                       functools.partial(spell, virtual_stages="num-virtual-stages-per-pipeline-rank" in args,
                                         recompute_activations=bool(args.get("recompute-activations")),
-                                        even=not any(name in args for name in UNEVEN),
+                                        even=even,
                                         overlap_param_gather=overlap_param_gather),
                       assumptions=dict(dp_overlap=DDP_OVERLAP if args.get("overlap-grad-reduce") else 0.0,
                                        overlap_param_gather=overlap_param_gather, tp_overlap=TP_OVERLAP,
@@ -376,11 +377,10 @@ def _left_out(args: dict, config: ModelConfig, ffn: int) -> list[str]:
             "positions), left out of every count" for name, count in parts]
 
 
-def _chunks(args: dict, layers: int, pp: int) -> int:
+def _chunks(args: dict, layers: int, pp: int, even: bool) -> int:
     """v, the model chunks per pipeline rank: --num-virtual-stages-per-pipeline-rank, or the layers per rank
-    over --num-layers-per-virtual-pipeline-stage; every stage, and every chunk, holds as many layers (Megatron's
-    arguments.py and transformer_block.py assert it, unless the file sets the first or last stage's: UNEVEN)."""
-    even = not any(name in args for name in UNEVEN)
+    over --num-layers-per-virtual-pipeline-stage; every stage, and every chunk, holds as many layers, ``even``
+    (Megatron's arguments.py and transformer_block.py assert it, unless the file sets the first or last stage's)."""
     if even and layers % pp:
         raise ConfigError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}: every "
                           "stage holds as many layers")

@@ -89,13 +89,17 @@ def check_whole(name: str, value, low: int = 1) -> None:
         raise ValueError(f"{name}={value!r} must be a whole number >= {low}")
 
 
+def is_number(value) -> bool:
+    """A finite int or float, not a bool (True is an int to Python, and a share of 1 to nobody)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_number(name: str, value, *, above: float | None = None, at_least: float | None = None,
                  below: float | None = None) -> None:
     """A ValueError naming ``name`` unless ``value`` is a finite real number within the bounds given."""
     rules = [f"> {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
              f"< {below:g}" if below is not None else ""]
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (above is None or value > above) and (at_least is None or value >= at_least)
+    ok = (is_number(value) and (above is None or value > above) and (at_least is None or value >= at_least)
           and (below is None or value < below))
     if not ok:
         raise ValueError(f"{name}={value!r} must be a finite number {' and '.join(r for r in rules if r)}".rstrip())
