@@ -44,7 +44,7 @@ from .hardware import GPU, GPUS, find_gpu
 from .job import Job
 from .mesh import Mesh
 from .model import ModelConfig, preset
-from .published_misses import above_ceiling_why, best_kernels_ceiling, kernel_ceiling, out_of_line, ran_on_why
+from .published_misses import best_kernels_ceiling, kernel_ceiling, why_off
 
 
 def gpt_config(*, hidden: int, num_layers: int, num_heads: int, seq_len: int = 2048) -> ModelConfig:
@@ -379,7 +379,7 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
     short burst's rate; a run above even that ran some other kernel (attention, say) faster than the model does.
     "on_its_gpu", for a run on a GPU the catalogue does not hold (ran_on; None otherwise): the same on that GPU,
     still as a share of the catalogue's peak. "why": for a row more than 5 points off, what the table itself shows
-    about it (ran_on_why, out_of_line), or "" where it shows nothing."""
+    about it (published_misses.why_off), or "" where it shows nothing."""
     runs = PUBLISHED_RUNS if runs is None else runs
     rows = []
     for run in runs:
@@ -395,8 +395,7 @@ def compare_published(runs: list[PublishedRun] | None = None) -> list[dict]:
                      "best_ceiling": best_kernels_ceiling(run) if run.reported > ceiling else None,
                      "on_its_gpu": on_its_gpu, "source": run.source, "assumed": run.assumed})
     for row, run in zip(rows, runs):
-        row["why"] = "" if abs(row["points"]) <= 5 else (ran_on_why(run, row) if run.ran_on else "") or (
-            above_ceiling_why(row) if row["above_ceiling"] else out_of_line(run, row, runs, rows))
+        row["why"] = why_off(run, row, runs, rows)
     return rows
 
 
