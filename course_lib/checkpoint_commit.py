@@ -94,10 +94,14 @@ class PendingSave:
         value = self._future.result(timeout)
         self._commit_when_done(self._future)
         unfinished.discard(self)
+        self.close()
+        return value
+
+    def close(self) -> None:
+        """Close the save's own group, once it is done (by result(), or by the runtime for a failed function's)."""
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
-        return value
 
     def __str__(self) -> str:
         return f"the asynchronous save of {self.path}"

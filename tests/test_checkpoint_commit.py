@@ -137,6 +137,43 @@ def test_an_asynchronous_save_not_waited_for_is_finished_and_said(tmp_path, capf
     assert train["step"] == 1
 
 
+def save_asynchronously(rank, world_size, *, root: str, fail: bool):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    pending = trainer.save(os.path.join(root, "ckpt"), asynchronous=True)
+    if fail:
+        raise ValueError("the function fails while its save writes")
+    pending.result()
+
+
+def process_groups(rank, world_size):
+    import torch.distributed.distributed_c10d as c10d
+    return len(c10d._world.pg_map)
+
+
+def test_a_failed_functions_asynchronous_save_lets_go_of_its_group_once_done(tmp_path):
+    """A function that fails is not waited for (its peers may be gone), nor is its save; the save's own gloo group
+    is closed once the save is done, by the next function that runs on the rank: the failed function leaves the
+    groups a waited one leaves (its trainer's), no more."""
+    from course_lib.runtime.world import World
+
+    with World(2) as world:
+        before = world.run(process_groups)
+        world.run(save_asynchronously, root=str(tmp_path / "waited"), fail=False)
+        waited = world.run(process_groups)
+        with pytest.raises(RankError, match="the function fails while its save writes"):
+            world.run(save_asynchronously, root=str(tmp_path / "failed"), fail=True)
+        trainers = [mine - first for mine, first in zip(waited, before)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:      # each function the rank runs closes the groups of saves now done
+            left = [after - mine for after, mine in zip(world.run(process_groups), waited)]
+            if left == trainers:
+                break
+            time.sleep(0.2)
+        assert left == trainers
+        assert (tmp_path / "failed" / "ckpt").exists()                               # and rank 0 committed it
+
+
 def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it(saved, tmp_path):
     """A shard cut short (its checksum rewritten to match, so only DCP's reader can tell): one line naming the
     folder, the rank and the cause, not DCP's ~70 lines of every rank's traceback."""

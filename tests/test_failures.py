@@ -7,7 +7,7 @@ import pytest
 
 from course_lib import failures
 from course_lib.runs.failures import hung_collective
-from course_lib.runtime.launch import launch
+from course_lib.runtime.launch import RankError, launch
 
 
 def test_a_job_fails_as_often_as_all_its_gpus_together():
@@ -64,6 +64,17 @@ def test_a_hung_collective_ends_with_the_groups_timeout_and_the_missing_rank_nam
     assert all(r["error"] for r in waiting)
     assert max(r["waited_s"] for r in waiting) >= 1.0     # the first to time out waited it all; its peers then fail
     assert results[0]["barrier"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("bad, message", [
+    (dict(missing_rank=2), r"missing_rank=2 is not a rank of this world: its ranks are 0..1"),
+    (dict(missing_rank=-1), r"missing_rank=-1 must be a whole number >= 0"),
+    (dict(missing_rank=1, timeout_s=0), r"timeout_s=0 must be a finite number > 0 and < 60"),
+    (dict(missing_rank=1, timeout_s=600), r"timeout_s=600 must be a finite number > 0 and < 60")])
+def test_a_hung_collective_refuses_a_rank_or_timeout_it_cannot_show(bad, message):
+    with pytest.raises(RankError, match=message):
+        launch(hung_collective, 2, **bad)
 
 
 @pytest.mark.ranks

@@ -174,6 +174,38 @@ def test_an_unpicklable_result_is_an_error_naming_the_rank_and_what_could_not_be
     assert "cloudpickle" not in str(info.value), str(info.value)   # none of the pickler's frames
 
 
+def test_what_cannot_be_sent_is_named_before_any_rank_starts():
+    import threading
+
+    guard = threading.Lock()
+    start = time.monotonic()
+    with pytest.raises(TypeError, match=r"^guard cannot be sent to the ranks \(cannot pickle '_thread.lock'"):
+        launch(rank_sum, 2, guard=guard)
+    with pytest.raises(TypeError, match=r"^the function <lambda> cannot be sent to the ranks \(cannot pickle"):
+        launch(lambda rank, world_size: guard.locked(), 2)
+    assert time.monotonic() - start < 1   # refused at once: not one process was started
+
+
+def test_a_failed_launch_keeps_no_pipe_open():
+    """Each failed launch kept 2 pipes per rank and one more (5 for 2 ranks) until the garbage collector ran: its
+    traceback holds the group. Now the group lets go of them as it ends."""
+    import gc
+
+    def open_pipes():
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+    launch(rank_sum, 2)   # the forkserver's own pipes, once
+    gc.disable()
+    try:
+        before = open_pipes()
+        for _ in range(3):
+            with pytest.raises(RankError):
+                launch(lambda rank, world_size: 1 / 0, 2)
+        assert open_pipes() == before
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), "10"])
 def test_a_timeout_that_is_not_a_positive_number_is_refused_before_any_rank_starts(bad):
     with pytest.raises(ValueError, match=f"timeout={bad!r} must be a finite number > 0"):

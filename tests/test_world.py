@@ -53,6 +53,26 @@ def test_pull_and_push(world):
     assert world.pull("lr") == [0.25] * 4
 
 
+def test_a_task_that_could_not_be_sent_does_not_count_its_cells_as_sent(world):
+    """A cell's lines go to the ranks with the first task after it (for their tracebacks); a task that could not
+    be pickled sent nothing, so they go with the next one."""
+    import linecache
+    import threading
+
+    code = "def fails(rank, world_size, **unused):\n    raise ValueError('from the cell')\n"
+    linecache.cache["<cell 1>"] = (len(code), None, code.splitlines(keepends=True), "<cell 1>")
+    namespace = {}
+    exec(compile(code, "<cell 1>", "exec"), namespace)
+    try:
+        with pytest.raises(TypeError, match="^guard cannot be sent to the ranks"):
+            world.run(namespace["fails"], guard=threading.Lock())
+        with pytest.raises(RankError) as info:
+            world.run(namespace["fails"])
+    finally:
+        del linecache.cache["<cell 1>"]
+    assert "raise ValueError('from the cell')" in str(info.value)
+
+
 def test_only_some_ranks_run_a_cell(world):
     world.exec("mark = 'set'", ranks=[0, 2])
     outcome = world.exec("globals().get('mark', 'unset')")

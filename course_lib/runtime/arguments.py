@@ -7,6 +7,9 @@ after the usage and exits with code 2, before any process starts, instead of a t
     parser.add_argument("--tp", type=integer(1))
     parser.add_argument("--lr", type=real(above=0))
     parser.add_argument("--out", type=writable_folder)
+
+The functions' own arguments are checked here too, by the same rules: check_whole, check_number, and
+check_sendable (what a launch or a world sends to its ranks).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import argparse
 import math
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+import cloudpickle
 
 # The largest world that `python -m course_lib.virtual` models. Its fake groups cost ~0.8 KB of memory per rank
 # (0.8 GB per million), so a typo such as 1000000000 would grow without bound; the largest training clusters
@@ -103,3 +109,16 @@ def check_number(name: str, value, *, above: float | None = None, at_least: floa
           and (below is None or value < below))
     if not ok:
         raise ValueError(f"{name}={value!r} must be a finite number {' and '.join(r for r in rules if r)}".rstrip())
+
+
+def check_sendable(values: dict, fn: Callable | None = None) -> None:
+    """A TypeError naming the first of ``values`` (or ``fn``) that cannot be sent to the ranks (a lock, an open
+    file, a generator), so that nothing is sent or started for it."""
+    named = ({f"the function {getattr(fn, '__name__', fn)}": fn} if fn is not None else {}) | values
+    for name, value in named.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as error:   # pickle raises TypeError, PicklingError, AttributeError, ...
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise TypeError(f"{name} cannot be sent to the ranks ({reason}): send what it holds instead, or make it "
+                            "on the ranks (in the function, or in a %%ranks cell)") from None

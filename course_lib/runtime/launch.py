@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .arguments import check_number
+from .arguments import check_number, check_sendable
 from .rank_process import destroy_group
 from .workers import (
     DEFAULT_TIMEOUT,
@@ -77,6 +77,7 @@ def launch(fn: Callable, world_size: int, *, backend: str | None = None,
     check_number("timeout", timeout, above=0)   # seconds; refused before any process starts
     if _under_torchrun():
         return _run_in_place(fn, world_size, backend, timeout, kwargs)
+    check_sendable(kwargs, fn)   # a lock or an open file is named here, before any process starts
     try:
         with WorkerGroup(world_size, backend=backend, exit_after_error=True) as group:
             return group.run(fn, kwargs, timeout=timeout)

@@ -20,6 +20,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
+from .arguments import check_sendable
 from .processes import describe_exit, is_stopped, kill_group, loopback_store, main_module_hidden, sigint_ignored
 from .rank_process import arrival_key, worker_main
 from .tracebacks import (
@@ -133,6 +134,7 @@ class WorkerGroup:
         self.procs, self.conns, self._outputs = [None] * world_size, [None] * world_size, {}
         self._busy = True  # until the group has formed: close() kills at once
         self._sent_sources: set[str] = set()  # notebook cells whose lines the workers already have
+        self._released = False
         line = WaitLine()
         try:
             for rank in range(world_size):
@@ -143,11 +145,11 @@ class WorkerGroup:
             self._wait_until_formed(form_timeout, line)
         except KeyboardInterrupt:
             line.end()
-            self.close()
+            self.__exit__()
             raise Interrupted("starting the ranks was interrupted; every rank process was stopped") from None
         except BaseException:  # a rank that failed to join, a group that did not form: no process may outlive it
             line.end()
-            self.close()
+            self.__exit__()
             raise
         line.end(f"the process group of {world_size} ranks formed")
         self._busy = False
@@ -225,7 +227,15 @@ class WorkerGroup:
         return self
 
     def __exit__(self, *exc):
+        """close(), then let go of every process handle and pipe at once: the group ends here (launch's, or one
+        that never formed). Left to the garbage collector, a failed launch's traceback kept 2 pipes per rank and
+        one more open until it ran (5 for 2 ranks, measured)."""
         self.close()
+        for proc in self.procs:
+            if proc is not None and proc.exitcode is not None:
+                proc.close()   # its sentinel and its pipe to the forkserver
+        self._notebook_alive.close()
+        self._released = True
 
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self.procs]
@@ -264,8 +274,12 @@ class WorkerGroup:
     def submit(self, fn: Callable, kwargs: dict | None, ranks: list[int]) -> None:
         """Send ``fn(rank, world_size, **kwargs)`` to ``ranks``; ``collect`` gathers the replies."""
         sources = {name: entry for name, entry in interactive_sources().items() if name not in self._sent_sources}
-        self._sent_sources.update(sources)
-        task = dumps((fn, kwargs or {}, sources))
+        try:
+            task = dumps((fn, kwargs or {}, sources))
+        except Exception:
+            check_sendable(kwargs or {}, fn)   # a TypeError naming what could not be sent
+            raise
+        self._sent_sources.update(sources)   # only once they are on their way
         self._busy = True
         for r in ranks:
             try:
@@ -378,6 +392,8 @@ class WorkerGroup:
     def close(self):
         """Stop every worker and everything it started (its whole process group, whether the worker itself is
         still running or not), and the store; safe to call twice."""
+        if self._released:
+            return
         with sigint_ignored():  # a second press of Jupyter's stop button must not leave orphans
             started = [proc for proc in self.procs if proc is not None]
             for conn in self.conns:

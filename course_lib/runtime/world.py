@@ -32,15 +32,22 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .arguments import check_number
+from .arguments import check_number, check_sendable
 from .processes import is_stopped, kill_group
 from .rank_process import destroy_group, init_group
 from .tracebacks import PLUMBING_FILES
-from .workers import DEFAULT_TIMEOUT, FORM_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
+from .workers import (
+    DEFAULT_TIMEOUT,
+    FORM_TIMEOUT,
+    Interrupted,
+    RankError,
+    RankTimeout,
+    WorkerGroup,
+    sigint_ignored,
+)
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
@@ -146,13 +153,7 @@ class World:
     def push(self, *, ranks: list[int] | None = None, **values) -> None:
         """Set variables on every rank (or on ``ranks``): ``world.push(lr=0.1, batch=x)``. A value that cannot
         travel (a lock, an open file) is a TypeError naming it, before anything is sent."""
-        for name, value in values.items():
-            try:
-                cloudpickle.dumps(value)
-            except Exception as error:   # pickle raises TypeError, PicklingError, AttributeError, ...
-                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-                raise TypeError(f"{name} cannot be sent to the ranks ({reason}): send what it holds instead, or "
-                                "make it on the ranks in a %%ranks cell") from None
+        check_sendable(values)
         self.run(_set_variables, ranks=ranks, values=values)
 
     def status(self) -> dict:
