@@ -39,15 +39,7 @@ from .arguments import check_number, check_sendable
 from .processes import is_stopped, kill_group
 from .rank_process import destroy_group, init_group
 from .tracebacks import PLUMBING_FILES
-from .workers import (
-    DEFAULT_TIMEOUT,
-    FORM_TIMEOUT,
-    Interrupted,
-    RankError,
-    RankTimeout,
-    WorkerGroup,
-    sigint_ignored,
-)
+from .workers import DEFAULT_TIMEOUT, FORM_TIMEOUT, Interrupted, RankError, RankTimeout, WorkerGroup, sigint_ignored
 
 PLUMBING_FILES.add(__file__)  # a rank's traceback starts in the learner's cell, not in _run_cell
 
