@@ -279,6 +279,7 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     if job.mesh.size < job.gpus_per_node:          # part of one node: every group on NVLink
         job = job.replace(gpus_per_node=job.mesh.size)
     m = job.num_microbatches
+    card, hw = hw, hw.for_dtype(job.dtype)          # kernels at the dtype's rates; MFU against the card's peak
     stages = _stage_seconds(job, hw, compute_efficiency=compute_efficiency, tp_overlap=tp_overlap,
                             pp_overlap=pp_overlap, attention=attention, scatter_gather=scatter_gather,
                             elementwise_ops=elementwise_ops, rotary=rotary, cp_overlap=cp_overlap,
@@ -302,13 +303,13 @@ def step_time(job: Job, *, compute_efficiency: float | None = None, dp_overlap: 
     sequences, seq_len = job.global_batch_size, job.tokens_per_sequence
     flops = flops_per_step(job.config, batch_size=sequences, seq_len=seq_len, recompute=job.recompute,
                            capacity_factor=job.capacity_factor)
-    capacity = total * hw.peak_flops * job.mesh.size
+    capacity = total * card.peak_flops * job.mesh.size
     return StepTime(compute_s=m * compute, tp_s=m * axes["tp"], pp_s=m * pp, dp_s=dp, bubble_s=bubble, total_s=total,
                     tokens_per_s=sequences * seq_len / total, mfu=flops.model / capacity,
                     hfu=flops.hardware / capacity, dp_comm_s=dp_comm,
                     links=_links(job, hw, dp_link),
                     optimizer_s=optimizer, operations=operations,
-                    achieved_share=stage_flops / (compute * hw.peak_flops), overhead_s=overhead,
+                    achieved_share=stage_flops / (compute * card.peak_flops), overhead_s=overhead,
                     cp_s=m * axes["cp"], ep_s=m * axes["ep"])
 
 

@@ -7,7 +7,7 @@
 * A GPU named (hardware.GPUS, or a hardware.GPU of your own), and whole nodes: torchrun starts as many ranks on
   each node, so a world larger than a node fills whole ones.
 * The assumptions by name: each in its list, shares (the overlaps) numbers in [0, 1] and not True or False,
-  the flags True or False, and no fp64 (a GPU is priced at its 16-bit Tensor Cores' rates).
+  the flags True or False, and no fp64 (a GPU is priced at its 16-bit or fp32 rates: GPU.for_dtype).
 """
 
 from __future__ import annotations
@@ -65,6 +65,6 @@ def check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     if bad:
         raise ValueError(f"{', '.join(bad)}: shares are numbers in [0, 1], not True or False")
     if job.dtype == "fp64":
-        raise ValueError("dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates (fp32 too, a lower bound "
-                         "on its time), this machine at its fp32 rates; fp64 is for the course's parity runs")
+        raise ValueError("dtype='fp64': a GPU is priced at its 16-bit or fp32 rates (GPU.for_dtype), this machine "
+                         "at its fp32 rates; fp64 is for the course's parity runs")
     return find_gpu(job.gpu)

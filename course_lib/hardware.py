@@ -13,7 +13,8 @@ step with these. The links are priced at their rated speed: across nodes nccl-te
     H200 SXM       989 TFLOP/s    141 GiB     4,800 GB/s      450 GB/s (NVLink 4)       400 Gb/s NDR IB
 
 "Dense" means without 2:4 structured sparsity: NVIDIA's headline Tensor Core figures are often the sparse
-ones, twice these. NVLink is quoted by NVIDIA as the total of both directions (600 and 900 GB/s); one GPU
+ones, twice these. A job in fp32 runs on the CUDA cores instead (GPU.for_dtype: TF32 is off by default): 19.5
+TFLOP/s on an A100, 67 on an H100 or H200. NVLink is quoted by NVIDIA as the total of both directions (600 and 900 GB/s); one GPU
 sends at half of it. A network card's rate is in bits: 400 Gb/s = 50 GB/s each way. One card per GPU is the
 DGX layout (8 GPUs, 8 compute NICs per node), and Llama 3's cluster's (400 Gb/s per GPU).
 
@@ -41,11 +42,11 @@ TERA = 10**12
 
 A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
                   "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 Tensor Core 312 TFLOPS (624 with "
-                  "sparsity); 40GB HBM2 1,555 GB/s, 80GB HBM2e 2,039 GB/s (SXM); NVLink 600 GB/s")
+                  "sparsity), FP32 19.5; 40GB HBM2 1,555 GB/s, 80GB HBM2e 2,039 GB/s (SXM); NVLink 600 GB/s")
 H100_DATASHEET = ("NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/): H100 SXM BF16 Tensor "
-                  "Core 1,979 TFLOPS with sparsity = 989 dense; 80GB HBM3, 3.35 TB/s; NVLink 900 GB/s")
+                  "Core 1,979 TFLOPS with sparsity = 989 dense, FP32 67; 80GB HBM3, 3.35 TB/s; NVLink 900 GB/s")
 H200_DATASHEET = ("NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/): H200 SXM BF16 Tensor "
-                  "Core 1,979 TFLOPS with sparsity = 989 dense; 141GB HBM3e, 4.8 TB/s; NVLink 900 GB/s")
+                  "Core 1,979 TFLOPS with sparsity = 989 dense, FP32 67; 141GB HBM3e, 4.8 TB/s; NVLink 900 GB/s")
 
 
 # ----------------------------------------------------------------------------- what kernels reach
@@ -134,6 +135,18 @@ class GPU:
     # A measured machine's GEMM rates by shape (course_lib.calibration): ((m, n, k, FLOP/s), ...) on a grid, read
     # by matmul_rate in place of the curve. Empty for the catalogue's GPUs, whose curve cites its sources.
     matmul_grid: tuple = ()
+    # The FP32 peak without Tensor Cores (the datasheet's), where fp32 jobs run (for_dtype); 0: peak_flops is its
+    # fp32 rate too (a measured machine, which measured fp32)
+    fp32_flops: float = 0.0
+
+    def for_dtype(self, dtype: str) -> GPU:
+        """The GPU as the kernels of a job in ``dtype`` see it. In fp32, at fp32_flops in place of the 16-bit peak:
+        PyTorch leaves TF32 off for fp32 matmuls (torch.backends.cuda.matmul.allow_tf32 is False by default since
+        1.12), and neither torchtitan, Megatron-LM nor DeepSpeed turns it on. The shares stay the 16-bit kernels'
+        (no fp32 benchmark is cited here): a GEMM at matmul_share of the FP32 peak, and attention, which has no
+        FlashAttention kernel in fp32 (SDPA falls back to its memory-efficient one), at the share of it that
+        FlashAttention reaches of the 16-bit peak. MFU stays against peak_flops: how much of the card the job uses."""
+        return replace(self, peak_flops=self.fp32_flops) if dtype == "fp32" and self.fp32_flops else self
 
     @property
     def ridge_point(self) -> float:
@@ -174,18 +187,18 @@ MAMF_SOURCE = ("Bekman, 'Machine Learning Engineering Open Book', compute/accele
 GPUS = {
     "A100 40GB": GPU("A100 40GB (SXM)", 312 * TERA, 40 * GiB, 1555 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
                      A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE,
-                     best_matmul_share=A100_BEST_MATMUL_SHARE),
+                     best_matmul_share=A100_BEST_MATMUL_SHARE, fp32_flops=19.5 * TERA),
     "A100 80GB": GPU("A100 80GB (SXM)", 312 * TERA, 80 * GiB, 2039 * GB, LINKS["NVLink 3"], LINKS["IB HDR 200"],
                      A100_DATASHEET, A100_MATMUL_SHARE, A100_ATTENTION_SHARE,
-                     best_matmul_share=A100_BEST_MATMUL_SHARE),
+                     best_matmul_share=A100_BEST_MATMUL_SHARE, fp32_flops=19.5 * TERA),
     "H100 SXM": GPU("H100 SXM 80GB", 989 * TERA, 80 * GiB, 3350 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
                     H100_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE,
-                    best_matmul_share=H100_BEST_MATMUL_SHARE),
+                    best_matmul_share=H100_BEST_MATMUL_SHARE, fp32_flops=67 * TERA),
     # The datasheet's "141GB" is read as GiB like the other names; nvidia-smi is reported to show 143,771 MiB
     # (140.4 GiB) on an H200: not checked here.
     "H200 SXM": GPU("H200 SXM 141GB", 989 * TERA, 141 * GiB, 4800 * GB, LINKS["NVLink 4"], LINKS["IB NDR 400"],
                     H200_DATASHEET, H100_MATMUL_SHARE, H100_ATTENTION_SHARE,
-                    best_matmul_share=H100_BEST_MATMUL_SHARE),
+                    best_matmul_share=H100_BEST_MATMUL_SHARE, fp32_flops=67 * TERA),
 }
 
 
@@ -205,7 +218,7 @@ def find_gpu(name_or_gpu) -> GPU:
         # what a kernel or a step costs on top of its work, and the shape that halves a rate: 0 or more
         costs = {name: getattr(gpu, name) for name in ("matmul_half_dim", "attention_half_dim", "launch_s",
                                                        "layer_overhead_s", "layer_update_overhead_s", "step_overhead_s",
-                                                       "optimizer_bytes_per_param")}
+                                                       "optimizer_bytes_per_param", "fp32_flops")}
         bad = [f"{name}={value!r}" for name, value in rates.items() if not _positive(value)]
         bad += [f"{name}={value!r}" for name, value in shares.items() if not (_positive(value) and value <= 1)]
         bad += [f"{name}={value!r}" for name, value in costs.items() if not (is_number(value) and value >= 0)]

@@ -111,6 +111,7 @@ def job_report(read: ReadConfig, alternatives: bool = True) -> dict:
                   framework_state=framework_state(read, stage))
     time = step_time(job, **read.assumptions)
     name = regime_of(job.gpu, job.config.hidden, job.tokens_per_sequence, job.recompute)
+    name += ", fp32" if job.dtype == "fp32" else ""            # every published run here trained in 16 bits
     return {
         "framework": read.framework, "path": read.path, "model": read.model_name, "gpu": job.gpu,
         "gpus": job.mesh.size, "mesh": repr(job.mesh), "zero_stage": job.zero_stage, "recompute": job.recompute,
@@ -220,7 +221,10 @@ def bottleneck(memory: dict, time, job: Job) -> str:
     largest = max(parts, key=parts.get)
     share = parts[largest] / time.total_s
     if share < OVERHEAD_SHARE:
-        return (f"compute: {time.compute_s / time.total_s:.0%} of the step is arithmetic; nothing else takes "
+        card = find_gpu(job.gpu)
+        fp32 = (f", in fp32 on the CUDA cores' {card.for_dtype('fp32').peak_flops / 1e12:.3g} TFLOP/s where 16 bits "
+                f"run on the Tensor Cores' {card.peak_flops / 1e12:.3g}" if card.for_dtype(job.dtype) is not card else "")
+        return (f"compute: {time.compute_s / time.total_s:.0%} of the step is arithmetic{fp32}; nothing else takes "
                 f"{OVERHEAD_SHARE:.0%}")
     why = {"bubble": f"pp {job.mesh.pp} over {job.num_microbatches} micro-batches of v = {job.num_chunks}",
            "dp": "the data-parallel traffic left exposed",

@@ -541,10 +541,28 @@ def test_bad_input_is_refused():
         costed(config, Mesh(tp=3), **kw)
 
 
+def test_fp32_runs_at_the_fp32_peak_and_mfu_says_how_little_of_the_card_it_uses():
+    """fp32 matmuls run on the CUDA cores (PyTorch leaves TF32 off): a compute-bound GEMM takes peak / fp32 peak
+    longer, 16x on an A100 (312 / 19.5), 14.8x on an H100 (989 / 67); MFU stays against the 16-bit peak. A GPU
+    without an fp32 figure (this machine, measured in fp32) runs fp32 at its own rates."""
+    seven = preset("llama2-7b")
+    for card, ratio in (("A100 80GB", 312 / 19.5), ("H100 SXM", 989 / 67)):
+        steps = {dtype: step_time(Job(seven, Mesh(dp=8), zero_stage=3, seq_len=4096, dtype=dtype, gpu=card))
+                 for dtype in ("bf16", "fp32")}
+        gemms = {dtype: {op.name: op for op in step.operations} for dtype, step in steps.items()}
+        assert gemms["fp32"]["gate_proj"].seconds == pytest.approx(ratio * gemms["bf16"]["gate_proj"].seconds)
+        assert gemms["fp32"]["attention core"].seconds == pytest.approx(
+            ratio * gemms["bf16"]["attention core"].seconds)
+        assert steps["fp32"].mfu < steps["bf16"].mfu / (ratio / 2)          # most of the step is the GEMMs
+        assert steps["fp32"].achieved_share < 1 / ratio
+    own = dataclasses.replace(GPUS["A100 80GB"], name="Lab GPU", fp32_flops=0.0)
+    assert own.for_dtype("fp32") is own and GPUS["A100 80GB"].for_dtype("bf16") is GPUS["A100 80GB"]
+
+
 def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
     """Rules step_time adds to the Job's: the schedule's own (Job checks it only once every other rule holds, and
     step_time lets Llama 3's L + 2 chunks through), whole nodes or part of one (part of one: every group on
-    NVLink), fp64 refused (a GPU's rates are its 16-bit Tensor Cores', whatever its name), shares that are numbers,
+    NVLink), fp64 refused (a GPU's rates are its 16-bit or fp32 ones, whatever its name), shares that are numbers,
     not flags, each named alone."""
     tiny, seven = preset("tiny"), preset("llama2-7b")
     for schedule, m, chunks, says in (("1f1b", 4, 3, "schedule='1f1b' runs one chunk per stage"),
@@ -562,7 +580,7 @@ def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
     with pytest.raises(ValueError, match="a world of 12 GPUs on nodes of gpus_per_node=8 .--gpus-per-node.: a costed job fills whole"):
         step_time(Job(seven, Mesh(dp=12), **kw))
     for card in ("H100 SXM", dataclasses.replace(GPUS["H100 SXM"], name="Lab H100")):
-        with pytest.raises(ValueError, match="dtype='fp64': a GPU is priced at its 16-bit Tensor Cores' rates"):
+        with pytest.raises(ValueError, match="dtype='fp64': a GPU is priced at its 16-bit or fp32 rates"):
             step_time(Job(seven, Mesh(dp=8), dtype="fp64", **dict(kw, gpu=card)))
     for flag in (True, "0.5"):
         with pytest.raises(ValueError, match=f"^dp_overlap={flag!r}: shares are numbers in \\[0, 1\\], not True"):
@@ -572,7 +590,8 @@ def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():
                       (dict(network=dataclasses.replace(h100.network, bytes_per_s=-1.0)), "network.bytes_per_s=-1.0"),
                       (dict(layer_overhead_s=-1), "layer_overhead_s=-1"), (dict(step_overhead_s=True), "step_overhead_s=True"),
                       (dict(layer_update_overhead_s=math.nan), "layer_update_overhead_s=nan"),
-                      (dict(matmul_half_dim=-4096), "matmul_half_dim=-4096"), (dict(peak_flops=math.inf), "peak_flops=inf")):
+                      (dict(matmul_half_dim=-4096), "matmul_half_dim=-4096"), (dict(peak_flops=math.inf), "peak_flops=inf"),
+                      (dict(fp32_flops=-1.0), "fp32_flops=-1.0")):
         with pytest.raises(ValueError, match=f"GPU 'H100 SXM 80GB': {says}: rates and sizes are positive"):
             step_time(Job(seven, Mesh(dp=8), seq_len=4096, gpu=dataclasses.replace(h100, **bad)))
 

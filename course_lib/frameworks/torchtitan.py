@@ -220,8 +220,8 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
     if amp_off:
         dtype = "fp32"       # torchtitan's maybe_enable_amp: no autocast with TP or PP unless FSDP runs
         conventions.append("TP or PP without FSDP: torchtitan turns mixed precision off, so weights and activations "
-                           "are fp32 (its maybe_enable_amp)")
-        not_modelled.append("fp32 matmuls: the step is timed at the bf16 peak, far faster than fp32 runs")
+                           "are fp32 (its maybe_enable_amp) and every matmul runs at the fp32 rate; the FSDP layouts "
+                           "suggested run bf16")
     if zero_stage == 3:
         conventions.append("FSDP2 keeps fp32 shards (4 + 4 + 8 bytes per parameter); counted as mixed-precision "
                            "Adam (2 + 2 + 12): the same 16 bytes per parameter, all sharded"
