@@ -10,6 +10,8 @@ H100, H200) this lab measures the same kernels and puts each measured rate besid
 * matmul, bf16, by shape (M, N, K): 2·M·N·K FLOPs over the time, against hardware.matmul_rate
   (matmul_share × peak × f(M)·f(N)·f(K)); and the curve's share and half-dimension fitted on this device's GEMMs
   of step shapes (hardware.fit_matmul_curve), beside the model's;
+* matmul in fp32 on a GPU, TF32 off as PyTorch leaves it (a few large shapes), against matmul_rate on the fp32 peak
+  (hardware.GPU.for_dtype: the model's fp32 jobs, at the 16-bit GEMMs' share, for want of an fp32 benchmark);
 * attention, torch's scaled_dot_product_attention forward + backward on each backend (flash, memory-efficient,
   cuDNN), causal or not, by sequence length and head dim, in FlashAttention's own benchmark setting (16k tokens a
   batch, hidden 2,048) and with its FLOP count (3.5 × forward's 4·b·s²·heads·head_dim, half of it causal),
@@ -66,6 +68,7 @@ GPU_SIZES = {
     + [(16384, d, d) for d in (768, 1024, 1536, 2048, 4096, 8192)]
     + [(16384, 4 * d, d) for d in (768, 2048, 4096)]
     + [(16384, 128, 4096), (16384, 512, 4096), (128, 4096, 4096), (512, 4096, 4096), (16384, 4096, 128)],
+    "matmul_fp32": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096), (16384, 14336, 4096)],
     "attention_seq": (512, 2048, 8192, 16384), "attention_head_dim": (64, 128), "attention_tokens": 16384,
     "attention_hidden": 2048, "elements": 16384 * 8192, "vocab": 32768, "adam_params": 64 * 2**20,
 }
@@ -128,13 +131,13 @@ def matmul_fit(rows: list[dict], gpu) -> dict | None:
             "model_rms_log_error": math.sqrt(sum(x * x for x in model_logs) / len(model_logs))}
 
 
-def measure_matmuls(sizes, dev, dtype, gpu, repeats) -> list[dict]:
+def measure_matmuls(sizes, dev, dtype, gpu, repeats, kind: str = "matmul") -> list[dict]:
     rows = []
     for m, n, k in sizes:
         a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
         out = torch.empty(m, n, device=dev, dtype=dtype)
         rate = 2 * m * n * k / seconds(lambda: torch.mm(a, b, out=out), dev, repeats)
-        rows.append({"kind": "matmul", "name": f"matmul {m}×{n}×{k}", "shape": [m, n, k], "unit": "TFLOP/s",
+        rows.append({"kind": kind, "name": f"{kind} {m}×{n}×{k}", "shape": [m, n, k], "unit": "TFLOP/s",
                      "measured": rate / 1e12, "model": matmul_rate(gpu, m, n, k) / 1e12 if gpu else None})
     return rows
 
@@ -327,6 +330,14 @@ def main(argv=None):
     checks = [check_attention(name, dev, dtype) for name in ("flash", "efficient", "cudnn")]
     usable = [c["backend"] for c in checks if c["available"]]
     rows = measure_matmuls(sizes["matmul"], dev, dtype, gpu, args.repeats)
+    if on_gpu:                              # a CPU's rows are fp32 already
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")          # TF32 off: PyTorch's default, said here
+        try:
+            rows += measure_matmuls(sizes["matmul_fp32"], dev, torch.float32, gpu and gpu.for_dtype("fp32"),
+                                    args.repeats, kind="matmul fp32")
+        finally:
+            torch.set_float32_matmul_precision(precision)
     rows += measure_attention(sizes, dev, dtype, gpu, args.repeats, usable + ["standard"])
     rows += measure_memory_bound(sizes, dev, dtype, gpu, args.repeats)
     rows.append(measure_launch(dev, gpu))

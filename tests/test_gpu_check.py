@@ -220,6 +220,20 @@ def test_kernel_rates_take_the_catalogue_gpu_of_the_device_name():
     assert check_gpu.gpu_folder(1, "NVIDIA H200") == H200_RESULTS.name     # where the committed results lie
 
 
+def test_the_lab_measures_fp32_matmuls_against_the_fp32_peak():
+    """On a GPU the lab also times fp32 GEMMs (TF32 off) beside matmul_rate on GPU.for_dtype("fp32"); here on the
+    CPU, the rows it writes for them."""
+    import kernel_rates
+
+    from course_lib.hardware import GPUS, matmul_rate
+    fp32 = GPUS["A100 80GB"].for_dtype("fp32")
+    rows = kernel_rates.measure_matmuls([(64, 32, 16)], torch.device("cpu"), torch.float32, fp32, 1, kind="matmul fp32")
+    assert [(row["kind"], row["name"], row["shape"]) for row in rows] == [("matmul fp32", "matmul fp32 64×32×16",
+                                                                          [64, 32, 16])]
+    assert rows[0]["measured"] > 0 and rows[0]["model"] == matmul_rate(fp32, 64, 32, 16) / 1e12
+    assert rows[0]["model"] == pytest.approx(matmul_rate(GPUS["A100 80GB"], 64, 32, 16) / 1e12 * 19.5 / 312)
+
+
 def test_the_labs_standard_attention_is_attention():
     """kernel_rates.standard_attention_pass (plain PyTorch, as FlashAttention's benchmarks write it) gives SDPA's
     output and gradients in float64, causal or not: the lab times what it says it times."""
