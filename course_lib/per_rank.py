@@ -21,6 +21,7 @@ here adds ledger.zero_state_bytes, zero_bytes.wire_bytes_per_step or hsdp.hsdp_w
 
 from __future__ import annotations
 
+from .comm import wire_bytes
 from .context_parallel import ring_attention_activation_bytes, ring_attention_bytes
 from .expert_parallel import all_to_all_bytes
 from .hsdp import hsdp_wire_bytes_per_step
@@ -190,6 +191,10 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
             gather = wire_bytes_per_step(count * job.bytes_per_element, zero_stage, group, accumulation_steps,
                                          *resharding)
             ops = {op: (gather if op == "all_gather" else reduce)[op] for op in reduce}
+            if zero_stage == 3 and config.tie_embeddings and mesh.pp == 1 and all(resharding) and stage == 0:
+                # a tied head gathers the embedding's unit again for its own forward (zero.borrowers)
+                table = config.vocab_size * config.hidden * job.bytes_per_element
+                ops["all_gather"] += accumulation_steps * wire_bytes("all_gather", table, group)
             traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp, "ops": ops})
     return traffic
 

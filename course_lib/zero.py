@@ -51,15 +51,32 @@ from .zero_bytes import check_resharding
 STAGES = ZERO_STAGES
 
 
+def _children(model: nn.Module) -> list[nn.Module]:
+    """Each child of ``model`` that has parameters, each entry of a ModuleList on its own."""
+    return [module for child in model.children() for module in (child if isinstance(child, nn.ModuleList)
+                                                                 else [child]) if any(True for _ in module.parameters())]
+
+
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The modules whose weights stage 3 gathers together: each child of ``model`` that has parameters,
-    with each entry of a ModuleList a unit of its own. For the course's GPT: embed, layers[0..L-1], norm, head."""
-    units = []
-    for child in model.children():
-        for module in (child if isinstance(child, nn.ModuleList) else [child]):
-            if any(True for _ in module.parameters()):
-                units.append(module)
+    """The modules whose weights stage 3 gathers together: each child of ``model`` that has parameters, with each
+    entry of a ModuleList a unit of its own, but for one whose weights an earlier unit holds (a tied head: its
+    weight is the embedding's, in the embedding's unit, as per_rank counts it). For the course's GPT: embed,
+    layers[0..L-1], norm, head."""
+    units, held = [], set()
+    for module in _children(model):
+        params = {id(p) for p in module.parameters()}
+        if not params <= held:
+            units.append(module)
+            held |= params
     return units
+
+
+def borrowers(model: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module, int]]:
+    """(module, index of the unit that holds its weights) for each of ``model``'s children that is no unit but
+    runs with another's weights (a tied head): stage 3 gathers that unit around its forward too."""
+    owner = {id(p): index for index, unit in enumerate(units) for p in unit.parameters()}
+    return [(module, owner[id(next(module.parameters()))]) for module in _children(model)
+            if not any(module is unit for unit in units) and all(id(p) in owner for p in module.parameters())]
 
 
 def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] | None = None) -> int:
@@ -190,10 +207,12 @@ class ZeroDataParallel(nn.Module):
             shards.append(shard)
             handles += [param.register_post_accumulate_grad_hook(
                 lambda param, i=index: wrapper._gradient_ready(wrapper.units[i])) for param in unit.params]
-            if zero_stage == 3:
-                handles.append(unit.module.register_forward_pre_hook(
+        if zero_stage == 3:                                # a tied head gathers the embedding's unit as its own
+            for index, borrower in [(i, unit.module) for i, unit in enumerate(self.units)] + [
+                    (i, m) for m, i in borrowers(module, units)]:
+                handles.append(borrower.register_forward_pre_hook(
                     lambda module, args, i=index: wrapper._gather(wrapper.units[i], "forward")))
-                handles.append(unit.module.register_forward_hook(
+                handles.append(borrower.register_forward_hook(
                     lambda module, args, output, i=index: wrapper._after_forward(wrapper.units[i], output)))
         remove_with(self, handles)
         self.shards = nn.ParameterList(shards)

@@ -58,9 +58,10 @@ def assert_equals_formulas(config, mesh, rank, *, seq_len, micro_batch_size=1, n
     dp_ops = wire_bytes_per_step(params * e, zero_stage, mesh.dp, accumulation_steps=m)
     assert run["sent_bytes"] == {"tp": sent["tp"], "pp": sent["pp"], "dp": sum(dp_ops.values())}
     # Counts: 4 TP all-reduces per layer and micro-batch; one send per micro-batch and direction that has a
-    # neighbour (and as many receives); one reduction (and gather) per ZeRO unit: embed, layers, norm + head.
+    # neighbour (and as many receives); one reduction (and gather) per ZeRO unit: embed, layers, norm + head (a
+    # tied head is in embed's unit).
     neighbours = (stage > 0) + (stage < mesh.pp - 1)
-    units = len(layers) + (stage == 0) + 2 * (stage == mesh.pp - 1)
+    units = len(layers) + (stage == 0) + (2 - config.tie_embeddings) * (stage == mesh.pp - 1)
     assert run["ops"]["tp"] == ({"all_reduce": 4 * len(layers) * m} if mesh.tp > 1 else {})
     assert run["ops"]["pp"] == ({"send": m * neighbours, "recv": m * neighbours} if neighbours else {})
     if mesh.dp > 1 and zero_stage == 1:
@@ -89,6 +90,24 @@ def test_every_zero_stage_and_gpipe_equal_the_formulas(zero_stage):
     for stage in range(mesh.pp):
         assert_equals_formulas(TINY, mesh, mesh.rank_of(pp=stage), seq_len=16, num_microbatches=3,
                                zero_stage=zero_stage, schedule="gpipe", dtype="fp32")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_tied_embeddings_equal_the_formulas(zero_stage):
+    """A tied head holds no weight of its own (params_per_rank) and, at ZeRO-3, gathers the embedding's unit again
+    for its forward (zero.borrowers): a Llama 3.2, or a Megatron GPT at TP 1, failed at the shared weight."""
+    tied, mesh, m = preset("tiny", tie_embeddings=True), Mesh(dp=4), 3
+    if zero_stage == 1:
+        assert_equals_formulas(tied, mesh, 1, seq_len=16, num_microbatches=m, dtype="fp32")
+        return
+    described = job(tied, mesh, seq_len=16, num_microbatches=m, zero_stage=3, dtype="fp32")
+    run = run_rank(described, 1)
+    table = tied.vocab_size * tied.hidden * 4
+    gathers = wire_bytes_per_step(params_per_rank(tied, mesh, 0) * 4, 3, mesh.dp, accumulation_steps=m)
+    assert run["sent_bytes"]["dp"] == sent_bytes_per_rank(described, 0)["dp"] == (
+        sum(gathers.values()) + m * 3 / 4 * table)                       # one more gather of the table a micro-batch
+    assert run["state_bytes"] == run["formulas"]["state_bytes"]
+    assert run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
 
 
 def test_one_rank_of_a_4096_rank_world():

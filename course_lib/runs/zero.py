@@ -21,7 +21,7 @@ from ..measure import measure_state_bytes
 from ..mixed_precision import MixedPrecisionAdam
 from ..model import build, loss_fn, preset
 from ..runtime.launch import device
-from ..zero import ZeroDataParallel, default_units
+from ..zero import ZeroDataParallel, borrowers, default_units
 from ..zero_bytes import check_resharding
 from .ddp import wrap
 
@@ -104,8 +104,11 @@ def _parallel_model(impl: str, module, comm: Comm, world_size: int, zero_stage: 
     model = module
     if impl == "fully_shard":
         mesh = init_device_mesh(device().type, (world_size,))
-        for unit in default_units(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=resharding["reshard_after_forward"])
+        units = default_units(module)
+        for index, unit in enumerate(units):     # a tied head in its embedding's group, as FSDP2 asks
+            group = [unit] + [borrower for borrower, owner in borrowers(module, units) if owner == index]
+            fully_shard(group if len(group) > 1 else unit, mesh=mesh,
+                        reshard_after_forward=resharding["reshard_after_forward"])
         fully_shard(module, mesh=mesh)
     else:
         model = wrap(module, "torch", comm)
