@@ -407,8 +407,9 @@ def test_pure_ddp_over_replicas(tmp_path):
 def test_megatron_script_variables_and_torchrun():
     read = read_config(EXAMPLES / "gpt3_175b_3d.sh")       # $TP, ${PP}; 8 × 128 GPUs from torchrun's flags
     assert (read.job.mesh.tp, read.job.mesh.pp, read.job.mesh.size) == (8, 8, 1024)
-    with pytest.raises(ConfigError, match="torchrun starts"):
-        read_config(EXAMPLES / "gpt3_175b_3d.sh", num_gpus=512)
+    half = read_config(EXAMPLES / "gpt3_175b_3d.sh", num_gpus=512)          # --gpus wins, and is said
+    assert half.job.mesh.size == 512 and any("--gpus 512 in place of the script's torchrun" in line
+                                             for line in half.conventions)
     # the lines to change, as a launch script takes them: a switch added or removed, full recomputation with its method
     plain = read.job.replace(num_chunks=1, schedule="1f1b", recompute="full", sequence_parallel=False)
     assert read.changes(plain) == ["remove --num-layers-per-virtual-pipeline-stage",
@@ -631,3 +632,68 @@ def test_a_gpu_typed_short_must_name_one_gpu_or_a_family():
                       ("B200", "is not in the catalogue")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             gpu_name(text)
+
+
+def test_megatron_scripts_as_they_are_written(tmp_path):
+    """Real Megatron-LM scripts (a review ran the repository's examples): flags inside a quoted variable or array
+    element, ${NAME:-default}, a tokenizer's vocabulary, a GeLU width TP splits, tied embeddings at TP 1 over a
+    pipeline, and another model's entry point refused by name."""
+    script = tmp_path / "old_style.sh"
+    script.write_text('NNODES=${SLURM_NNODES:-1}\nGPT_ARGS="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 '
+                      '--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4"\n'
+                      'EXTRA=( "--tokenizer-type Llama2Tokenizer" --bf16 )\n'
+                      'torchrun --nproc_per_node 8 --nnodes $NNODES pretrain_gpt.py $GPT_ARGS "${EXTRA[@]}" '
+                      '--tensor-model-parallel-size 8\n')
+    read = read_config(script)
+    config = read.job.config
+    assert (config.num_layers, config.hidden, read.job.mesh.size, read.job.mesh.tp) == (24, 1024, 8, 8)
+    assert config.vocab_size == 32768 and any("Llama2Tokenizer's 32,000 tokens" in line for line in read.conventions)
+    assert config.intermediate == 2728 and config.intermediate % 8 == 0           # 2 × 4,096 / 3, split by TP 8
+    piped = tmp_path / "piped.sh"
+    piped.write_text(script.read_text().replace("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 2"))
+    assert not read_config(piped).job.config.tie_embeddings                     # two stages: two matrices
+    other = tmp_path / "bert.sh"
+    other.write_text(script.read_text().replace("pretrain_gpt.py", "pretrain_bert.py"))
+    with pytest.raises(ConfigError, match="pretrain_bert.py: the course reads GPT training"):
+        read_config(other)
+    unknown = tmp_path / "tokens.sh"
+    unknown.write_text(script.read_text().replace("Llama2Tokenizer", "HuggingFaceTokenizer"))
+    with pytest.raises(ConfigError, match="--tokenizer-type HuggingFaceTokenizer without --vocab-size"):
+        read_config(unknown)
+
+
+def test_torchtitan_fp8_options_count_only_when_converted_and_old_places_are_refused(tmp_path):
+    """torchtitan's llama3 files carry [quantize.linear.float8] options with no converter in [model]: bf16, nothing
+    flagged; named by [model] converters (or an older file's enable_float8_linear), FP8 is not modelled and said.
+    An older file's [training] tensor_parallel_degree is refused, not read as TP 1."""
+    base = '[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nmode = "full"\n[training]\nseq_len = 2048\n'
+    options = tmp_path / "options.toml"
+    options.write_text(base + '[quantize.linear.float8]\nrecipe_name = "rowwise"\n')
+    assert not read_config(options, num_gpus=8).not_modelled
+    converted = tmp_path / "converted.toml"
+    converted.write_text(base.replace('flavor = "8B"', 'flavor = "8B"\nconverters = ["quantize.linear.float8"]')
+                         + '[quantize.linear.float8]\nrecipe_name = "rowwise"\n')
+    assert any("model converters" in line for line in read_config(converted, num_gpus=8).not_modelled)
+    old = tmp_path / "old.toml"
+    old.write_text(base + '[float8]\nenable_float8_linear = true\n')
+    assert any(line.startswith("[float8]") for line in read_config(old, num_gpus=8).not_modelled)
+    moved = tmp_path / "moved.toml"
+    moved.write_text(base + "tensor_parallel_degree = 8\n")
+    with pytest.raises(ConfigError, match=r"\[training\] tensor_parallel_degree: where an older torchtitan kept it; "
+                                          r"today's reads \[parallelism\] tensor_parallel_degree"):
+        read_config(moved, num_gpus=8)
+
+
+@pytest.mark.parametrize("extra, said", [
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": 100}}}, "optimizer.type: 1-bit"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop: layers skipped"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, None),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, None),      # ZeRO-3 only
+    ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 100}}, None)])
+def test_deepspeed_keys_that_change_the_run_are_named_and_real_ones_are_no_typos(tmp_path, extra, said):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**json.loads((EXAMPLES / "zero3_llama2_7b.json").read_text()), **extra}))
+    read = read_config(config, num_gpus=8, seq_len=4096, model=str(EXAMPLES / "hf" / "llama-2-7b.json"))
+    assert not read.unknown
+    assert [line for line in read.not_modelled if said and line.startswith(said)] if said else not read.not_modelled

@@ -4,6 +4,8 @@ named (course_lib.frameworks)."""
 from __future__ import annotations
 
 import difflib
+import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,3 +62,33 @@ def whole(name: str, value, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{name} = {value!r}: must be a whole number >= {low}")
     return value
+
+
+def arguments(text: str) -> list[str]:
+    """A shell script's tokens: continuation lines joined, comments dropped, ``NAME=value`` variables substituted
+    (once each, in the order written: a variable defined from another takes its value so far), and a token holding
+    several flags (``GPT_ARGS="--num-layers 24 ..."``, an array's ``"--vocab-size 128256"``) split again, without
+    its ``NAME=``, so that each flag is read where it is written."""
+    text = text.replace("\\\n", " ")
+    variables: dict[str, str] = {}
+    assignment = r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(?:\"([^\"\n]*)\"|'([^'\n]*)'|([^\s()\"']+))\s*$"
+    for name, *quoted in re.findall(assignment, text, flags=re.M):   # a value on one line, quoted or bare
+        variables[name] = _substitute("".join(quoted), variables)
+    try:
+        tokens = shlex.split(_substitute(text, variables), comments=True)
+        return [part for token in tokens for part in (
+            shlex.split(re.sub(r"^[A-Za-z_]\w*=", "", token), comments=True)
+            if re.search(r"(^|\s)--\w", token) and re.search(r"\s", token) else [token])]
+    except ValueError as error:
+        raise ConfigError(f"not a shell argument list ({error})") from None
+
+
+def _substitute(text: str, variables: dict[str, str]) -> str:
+    """$NAME, ${NAME} and ${NAME:-default} (${NAME-default}) replaced by their values, or the default where the
+    script sets none, in one pass (a value is never expanded again)."""
+    def value(match):
+        name = match[1] or match[3]
+        if name in variables:
+            return variables[name]
+        return match[2].strip("\"'") if match[2] is not None else match[0]
+    return re.sub(r"\$\{([A-Za-z_]\w*)(?::?-([^}]*))?\}|\$([A-Za-z_]\w*)", value, text)

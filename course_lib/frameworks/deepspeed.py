@@ -47,7 +47,7 @@ ZERO_NO_EFFECT = {"contiguous_gradients", "reduce_bucket_size", "allgather_bucke
                   "reduce_scatter", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
                   "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                   "stage3_gather_16bit_weights_on_model_save", "load_from_fp32_weights", "elastic_checkpoint",
-                  "ignore_unused_parameters"}
+                  "ignore_unused_parameters", "stage3_model_persistence_threshold"}
 NOT_MODELLED = {
     "zero_optimization.offload_optimizer": "the optimizer's state in CPU (or NVMe) memory: counted on the GPU, an "
                                            "upper bound of what the GPU holds",
@@ -61,7 +61,19 @@ NOT_MODELLED = {
     "activation_checkpointing.partition_activations": "checkpoints split over the TP ranks: counted whole",
     "activation_checkpointing.cpu_checkpointing": "checkpoints moved to the CPU: counted on the GPU",
     "amp": "NVIDIA Apex's AMP: counted as bf16/fp16 mixed precision",
+    "torch_autocast": "torch.autocast inside the engine: counted as the config's precision",
+    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients (no fp32 copy): counted as mixed "
+                                          "precision's 16 bytes per parameter, an upper bound",
+    "bf16.bf16_optimizer_states": "bf16 Adam moments: counted in fp32, an upper bound",
+    "optimizer.type": "1-bit compression of the gradients' reduction after its freeze_step, with error-feedback "
+                      "buffers: timed and counted uncompressed",
+    "progressive_layer_drop": "layers skipped as training goes: every layer timed, every step",
+    "compression_training": "quantization and pruning while training: counted in the config's precision, unpruned",
+    "data_efficiency": "curriculum learning and token dropping (random-LTD): timed at the full sequence",
+    "compile": "DeepSpeed's torch.compile of the model: timed as the eager run it reads",
+    "zenflow": "ZenFlow's optimizer offload: counted on the GPU, an upper bound",
 }
+ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}     # optimizer.type values that compress the reduction
 
 
 def default_overlap(stage: int) -> bool:
@@ -107,10 +119,11 @@ def _enabled(ds: dict, *keys: str) -> bool:
 
 
 def _switched_on(name: str, value) -> bool:
-    """A not-modelled key set away from its default (offload to a device, ZeRO++'s partitions, MiCS's shards)."""
+    """A not-modelled key set away from its default (offload to a device, ZeRO++'s partitions, MiCS's shards, a
+    section enabled)."""
     defaults = {"zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.mics_shard_size": -1}
-    if isinstance(value, dict):
-        return value.get("device", "none") != "none"
+    if isinstance(value, dict):              # a section: its "enabled", or an offload's device
+        return bool(value["enabled"]) if "enabled" in value else value.get("device", "none") != "none"
     return bool(value) and value != defaults.get(name) and value != "none"
 
 
@@ -137,9 +150,15 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                 not_modelled.append(f"{key}: {NOT_MODELLED[key]}")
         elif key not in READ | NO_EFFECT:
             unknown.append(nearest(key, READ | NO_EFFECT | set(NOT_MODELLED)))
-    for section, keys in (("zero_optimization", zero), ("activation_checkpointing", checkpointing or {})):
+    subsections = (("zero_optimization", zero), ("activation_checkpointing", checkpointing or {}),
+                   ("bf16", _section(ds, "bf16")), ("optimizer", _section(ds, "optimizer")))
+    for section, keys in subsections:
         for key, value in keys.items():
             name = f"{section}.{key}"
+            if name == "optimizer.type" and str(value).lower() not in ONE_BIT:
+                continue
+            if name == "zero_optimization.offload_param" and zero.get("stage", 0) != 3:
+                continue                  # DeepSpeed offloads the weights at ZeRO-3 only
             if name in NOT_MODELLED:
                 if _switched_on(name, value):
                     not_modelled.append(f"{name}: {NOT_MODELLED[name]}")

@@ -29,13 +29,12 @@ from __future__ import annotations
 import functools
 import math
 import re
-import shlex
 
 from ..job import Job
 from ..mesh import Mesh
 from ..model import ModelConfig
 from ..recipes import DDP_OVERLAP
-from .common import ConfigError, NotWritable, ReadConfig, nearest, whole
+from .common import ConfigError, NotWritable, ReadConfig, arguments, nearest, whole
 
 INTEGERS = {"tensor-model-parallel-size", "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
             "num-virtual-stages-per-pipeline-rank", "context-parallel-size", "expert-model-parallel-size",
@@ -101,6 +100,9 @@ UNEVEN = [name for name, reason in NOT_MODELLED.items() if reason.startswith("an
 TP_OVERLAP = 1.0
 CP_OVERLAP = 1.0   # Transformer Engine's p2p ring attention: each hop beside the previous block's attention
 KNOWN = INTEGERS | WORDS | SWITCHES | NO_EFFECT | set(NOT_MODELLED)
+# Megatron's tokenizers whose vocabulary is known without their files: GPT-2's BPE (its default) and Llama 2's
+# SentencePiece model (megatron/core/tokenizers); any other needs --vocab-size
+TOKENIZERS = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
 
 
 def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = False,
@@ -130,24 +132,6 @@ def spell(job: Job, virtual_stages: bool = False, overlap_param_gather: bool = F
                recompute_activations else {})}
 
 
-def arguments(text: str) -> list[str]:
-    """The script's tokens, continuation lines joined, comments dropped, ``NAME=value`` variables substituted (once
-    each, in the order written: a variable defined from another takes its value so far)."""
-    text = text.replace("\\\n", " ")
-    variables: dict[str, str] = {}
-    for name, value in re.findall(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=([^\s()]+)\s*$", text, flags=re.M):
-        variables[name] = _substitute(value, variables)
-    try:
-        return shlex.split(_substitute(text, variables), comments=True)
-    except ValueError as error:
-        raise ConfigError(f"not a shell argument list ({error})") from None
-
-
-def _substitute(text: str, variables: dict[str, str]) -> str:
-    """$NAME and ${NAME} replaced by their values, in one pass (a value is never expanded again)."""
-    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m[1], m[0]), text)
-
-
 def flags(tokens: list[str], where: str) -> tuple[dict, list[str]]:
     """{flag: value} (a switch: True) of every ``--flag`` in ``tokens``, and the unknown flags' lines."""
     found, unknown = {}, []
@@ -173,7 +157,13 @@ def flags(tokens: list[str], where: str) -> tuple[dict, list[str]]:
 
 
 def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node: int) -> ReadConfig:
-    args, unknown = flags(arguments(text), where)
+    tokens = arguments(text)
+    others = sorted({token.rsplit("/", 1)[-1] for token in tokens if re.fullmatch(r"(.*/)?pretrain_\w+\.py", token)}
+                    - {"pretrain_gpt.py"})
+    if others:
+        raise ConfigError(f"{where}: {', '.join(others)}: the course reads GPT training (pretrain_gpt.py); "
+                          "BERT, T5, Mamba and other models are not the course's decoder")
+    args, unknown = flags(tokens, where)
     not_modelled = [f"--{name}: {reason}" for name, reason in NOT_MODELLED.items() if name in args]
 
     launched = args.get("nproc_per_node", args.get("nproc-per-node", 0)) * args.get("nnodes", 1)
@@ -181,9 +171,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
         num_gpus = launched or None
     if num_gpus is None:
         raise ConfigError(f"{where}: no torchrun --nproc_per_node here: give the GPU count (--gpus N)")
-    if launched and launched != num_gpus:
-        raise ConfigError(f"--gpus {num_gpus} but the script's torchrun starts --nproc_per_node × --nnodes = "
-                          f"{launched}: one of them is not this job")
+    given = [f"--gpus {num_gpus} in place of the script's torchrun --nproc_per_node × --nnodes = {launched}"]
     tp, pp, cp, ep = (whole(f"--{name}-size", args.get(f"{name}-size", 1)) for name in
                       ("tensor-model-parallel", "pipeline-model-parallel", "context-parallel",
                        "expert-model-parallel"))
@@ -197,6 +185,7 @@ def read(text: str, where: str, *, num_gpus: int | None, gpu: str, gpus_per_node
                           "Megatron's data-parallel size is world / (tp × pp × cp)")
     dp = num_gpus // (tp * pp * cp)
     config, conventions, left_out = _model(args, tp, pp)
+    conventions += given if launched and launched != num_gpus else []
     not_modelled += left_out
 
     micro = whole("--micro-batch-size", args.get("micro-batch-size", 1))
@@ -330,22 +319,29 @@ def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[s
     ffn = args.get("moe-ffn-hidden-size") if experts and "moe-ffn-hidden-size" in args else args.get("ffn-hidden-size")
     if ffn is None:                  # Megatron's defaults: 4h, and for SwiGLU 2/3 of it, down to a multiple of 64
         ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
-    width = ffn if swiglu else 2 * ffn // 3
+    width = ffn if swiglu else round(2 * ffn / 3 / tp) * tp     # a width TP splits, as Megatron splits 4h
     conventions = [] if swiglu else [f"GeLU MLP of width {ffn} (2 matrices) counted as SwiGLU of width {width} "
-                                     "(3 matrices): the same weights and FLOPs"]
+                                     "(3 matrices): the same FLOPs and weights" + (
+                                         f" but {3 * width - 2 * ffn:+} columns a layer (a width TP {tp} splits)"
+                                         if 3 * width != 2 * ffn else "")]
     vocab = args.get("vocab-size")
+    tokenizer = args.get("tokenizer-type", "GPT2BPETokenizer")
+    if vocab is None and tokenizer not in TOKENIZERS:
+        raise ConfigError(f"--tokenizer-type {tokenizer} without --vocab-size: its vocabulary is in its files; "
+                          "write --vocab-size N")
     if vocab is None:
-        vocab = 50257
-        conventions.append("no --vocab-size: GPT-2's tokenizer (50,257 tokens) assumed")
+        vocab = TOKENIZERS[tokenizer]
+        conventions.append(f"no --vocab-size: --tokenizer-type {tokenizer}'s {vocab:,} tokens")
     multiple = args.get("make-vocab-size-divisible-by", 128) * tp
     padded = math.ceil(vocab / multiple) * multiple
     if padded != vocab:
         conventions.append(f"vocabulary {vocab:,} padded to {padded:,} (a multiple of "
                            f"--make-vocab-size-divisible-by × tp = {multiple})")
     tied = not args.get("untie-embeddings-and-output-weights")
-    if tied and tp > 1:   # the course splits the embedding and the head by vocabulary only when they are apart
+    if tied and (tp > 1 or pp > 1):   # split by vocabulary, or on two stages: apart in the course
         tied = False
-        conventions.append("tied embedding and output layer, split by vocabulary over TP: counted as two "
+        conventions.append("tied embedding and output layer, split by vocabulary over TP or pipeline stages: counted "
+                           "as two "
                            + ("(Megatron keeps a copy of the embedding on the last pipeline stage: exact)" if pp > 1
                               else f"({padded // tp * hidden:,} parameters per GPU more than Megatron holds)"))
     seq_len = args["seq-length"]

@@ -68,6 +68,11 @@ NO_EFFECT = {
     "activation_checkpoint": {"per_op_sac_force_recompute_mm_shapes_by_fqns", "preserve_rng_state",
                               "early_stop", "debug"},
 }
+# An older torchtitan's places for the parallel degrees, which today's would not read: refused, not lost
+MOVED = {("training", key): "parallelism" for key in ("tensor_parallel_degree", "data_parallel_degree",
+                                                       "data_parallel_shard_degree", "data_parallel_replicate_degree")}
+MOVED |= {("experimental", key): "parallelism" for key in ("pipeline_parallel_degree", "context_parallel_degree")}
+CONVERTED = {"float8", "mx", "quantize"}   # options of a model converter: in use when [model] converters names one
 NOT_MODELLED = {   # (section, key or None for the whole section when present and enabled): what it changes
     ("float8", None): "FP8 matmuls (torchao): the course times and counts bf16",
     ("mx", None): "MX formats: the course times and counts bf16",
@@ -126,8 +131,12 @@ def _scan(toml: dict) -> tuple[list[str], list[str]]:
     for section, keys in toml.items():
         if not isinstance(keys, dict):
             raise ConfigError(f"{section} = {keys!r}: torchtitan's config is made of [sections] of keys")
+        moved = [key for key in keys if (section, key) in MOVED]
+        if moved:
+            raise ConfigError(f"[{section}] {moved[0]}: where an older torchtitan kept it; today's reads "
+                              f"[{MOVED[section, moved[0]]}] {moved[0]}: move it there")
         if (section, None) in NOT_MODELLED:
-            if keys.get("enable", True):
+            if keys.get("enable_float8_linear") if section in CONVERTED else keys.get("enable", True):
                 not_modelled.append(f"[{section}]: {NOT_MODELLED[section, None]}")
             continue
         if section in IGNORED_SECTIONS:
