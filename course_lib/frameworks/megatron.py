@@ -1,9 +1,11 @@
 """Megatron-LM's command-line arguments (megatron/training/arguments.py), read from a launch script into a Job.
 
-The file is a shell script or a bare argument list: lines joined at their backslashes, comments dropped, simple
-``NAME=value`` assignments substituted for ``$NAME`` and ``${NAME}``, and every ``--flag [value]`` anywhere in it
-read (the flags of a bash array such as ``GPT_MODEL_ARGS=( ... )`` included; torchrun's ``--nproc_per_node`` and
-``--nnodes`` give the GPU count when ``--gpus`` does not).
+The file is a shell script or a bare argument list (common.arguments): lines joined at their backslashes,
+comments dropped, one-line ``NAME=value`` assignments substituted for ``$NAME``, ``${NAME}`` and
+``${NAME:-default}``, and every ``--flag [value]`` anywhere in it read (those of a bash array such as
+``GPT_MODEL_ARGS=( ... )`` or a quoted ``GPT_ARGS="..."`` included; torchrun's ``--nproc_per_node`` and
+``--nnodes`` give the GPU count when ``--gpus`` does not, and ``--gpus`` wins, said, when both do). GPT training
+only (pretrain_gpt.py): another entry point is refused by name.
 
 Megatron's conventions, and how the course counts them:
 
@@ -14,8 +16,9 @@ Megatron's conventions, and how the course counts them:
   fp32 copy of the gradients lives in the optimizer's shard and the course's "fp32 grad accumulation" keeps it
   whole (said in the report).
 * Without ``--swiglu`` the MLP is GeLU with two matrices of width F (default 4h): counted as the course's
-  SwiGLU of width 2F/3, the same weights and FLOPs. LayerNorm, linear biases and learned positions (Megatron's
-  defaults) are parameters the course model does not have: counted, in the report, as what is left out.
+  SwiGLU of width 2F/3 (to the nearest multiple of tp), the same weights and FLOPs. LayerNorm, linear biases and
+  learned positions (Megatron's defaults) are parameters the course model does not have: counted, in the report,
+  as what is left out.
 * The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp, as Megatron pads it.
 * ``--overlap-grad-reduce`` reduces the gradients bucket by bucket during backward: half of it hidden (dp_overlap
   0.5, as DDP's buckets). ``--overlap-param-gather`` (with it, and the distributed optimizer: Megatron asserts
