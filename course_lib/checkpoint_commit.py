@@ -98,10 +98,14 @@ class PendingSave:
         return value
 
     def close(self) -> None:
-        """Close the save's own group, once it is done (by result(), or by the runtime for a failed function's)."""
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
+        """Close the save's own group, once it is done (by result(), or by the runtime for a failed function's),
+        unless the world's rebuild (a rank died) has destroyed it with every other group."""
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:             # torch: "Invalid process group specified", gone already
+                pass
 
     def __str__(self) -> str:
         return f"the asynchronous save of {self.path}"

@@ -200,9 +200,11 @@ def collective_latency(hw: GPU, link, op: str, ranks: int, nodes: int) -> float:
 def units_reduced(job: Job, stage: int) -> int:
     """How many units a rank of ``stage`` reduces (and ZeRO-3 gathers) one by one: each layer, the embedding on
     the first stage, the final norm and head on the last (zero.default_units: FSDP's per-layer wrapping; the
-    course's ZeroDataParallel works unit by unit at every stage). Each unit's collective pays α."""
+    course's ZeroDataParallel works unit by unit at every stage; a tied head is in the embedding's unit). Each
+    unit's collective pays α."""
     mesh = job.mesh
-    return (layers_per_rank(job.config, mesh, stage) + (stage == 0) + 2 * (stage == mesh.pp - 1))
+    last = 1 + (not job.config.tie_embeddings)
+    return layers_per_rank(job.config, mesh, stage) + (stage == 0) + last * (stage == mesh.pp - 1)
 
 
 def calls_per_step(job: Job, op: str, group: dict) -> int:

@@ -67,4 +67,8 @@ def check_costed(job: Job, compute_efficiency, **shares) -> GPU:
     if job.dtype == "fp64":
         raise ValueError("dtype='fp64': a GPU is priced at its 16-bit or fp32 rates (GPU.for_dtype), this machine "
                          "at its fp32 rates; fp64 is for the course's parity runs")
-    return find_gpu(job.gpu)
+    gpu = find_gpu(job.gpu)
+    if job.dtype == "fp32" and not (gpu.fp32_flops or gpu.matmul_grid):
+        raise ValueError(f"dtype='fp32' on {gpu.name}, which has no fp32_flops: give its FP32 peak (the rate fp32 "
+                         "matmuls run at without TF32), or its 16-bit peak would price them up to 15x too fast")
+    return gpu

@@ -135,8 +135,8 @@ class GPU:
     # A measured machine's GEMM rates by shape (course_lib.calibration): ((m, n, k, FLOP/s), ...) on a grid, read
     # by matmul_rate in place of the curve. Empty for the catalogue's GPUs, whose curve cites its sources.
     matmul_grid: tuple = ()
-    # The FP32 peak without Tensor Cores (the datasheet's), where fp32 jobs run (for_dtype); 0: peak_flops is its
-    # fp32 rate too (a measured machine, which measured fp32)
+    # The FP32 peak without Tensor Cores (the datasheet's), where fp32 jobs run (for_dtype); 0: none given (step_time
+    # refuses an fp32 job on it, unless its GEMMs were measured: a measured machine runs fp32 at its own rates)
     fp32_flops: float = 0.0
 
     def for_dtype(self, dtype: str) -> GPU:

@@ -172,7 +172,13 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
     accumulation_steps, num_chunks, vocab_parallel = job.num_microbatches, job.num_chunks, job.vocab_parallel
     replica_span = mesh.dp_shard * mesh.cp * mesh.tp             # consecutive ranks: tp fastest, then cp, then dp
     traffic = []
-    for count, group, replicas in data_parallel_parts(config, mesh, stage, num_chunks, vocab_parallel):
+    # a tied head gathers the embedding's unit again for its own forward (zero.borrowers): the dense part's
+    # first group, every micro-batch
+    table = config.vocab_size * config.hidden * job.bytes_per_element
+    tied = zero_stage == 3 and config.tie_embeddings and mesh.pp == 1 and job.reshard_after_forward and (
+        job.reshard_after_backward)
+    for index, (count, group, replicas) in enumerate(data_parallel_parts(config, mesh, stage, num_chunks,
+                                                                          vocab_parallel)):
         if replicas > 1:
             if zero_stage != 3:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
@@ -181,6 +187,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
             ops["all_gather"] = hsdp_wire_bytes_per_step(count * job.bytes_per_element, group, replicas,
                                                          accumulation_steps)["all_gather"]      # the weights
             across = ops.pop("all_reduce")
+            ops["all_gather"] += accumulation_steps * wire_bytes("all_gather", table, group) if tied else 0
             traffic += [{"group": "dp_shard_cp", "size": group, "span": replica_span, "ops": ops},
                         {"group": "dp_replicate", "size": replicas, "span": mesh.dp * mesh.cp * mesh.tp,
                          "ops": {"all_reduce": across}}]
@@ -191,9 +198,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
             gather = wire_bytes_per_step(count * job.bytes_per_element, zero_stage, group, accumulation_steps,
                                          *resharding)
             ops = {op: (gather if op == "all_gather" else reduce)[op] for op in reduce}
-            if zero_stage == 3 and config.tie_embeddings and mesh.pp == 1 and all(resharding) and stage == 0:
-                # a tied head gathers the embedding's unit again for its own forward (zero.borrowers)
-                table = config.vocab_size * config.hidden * job.bytes_per_element
+            if tied and index == 0:
                 ops["all_gather"] += accumulation_steps * wire_bytes("all_gather", table, group)
             traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp, "ops": ops})
     return traffic

@@ -106,8 +106,8 @@ def wider_runs(run, runs: list) -> list[int]:
     """The indices of the runs in ``runs`` that do ``run``'s work per GPU over more GPUs: the same model, GPU and
     layout (sequence, micro-batch, sharding, recomputation), only more data-parallel ranks, at a global batch no
     larger. Per token such a run runs the same kernels and no less of the optimizer's step (its shard over its
-    tokens), with only more communication, so any model whose step grows with communication, ours included, puts it
-    no higher."""
+    tokens), with only more communication (and, with a pipeline, no more micro-batches to fill it), so any model
+    whose step grows with communication and idle time, ours included, puts it no higher."""
     def rest(other):                                # the layout but for the micro-batches a step accumulates
         return {key: value for key, value in other.layout.items() if key != "num_microbatches"}
 
@@ -115,6 +115,7 @@ def wider_runs(run, runs: list) -> list[int]:
         return other.mesh.dp * other.layout.get("num_microbatches", 1)
     return [index for index, other in enumerate(runs)
             if other.config == run.config and other.gpu == run.gpu and other.ran_on == run.ran_on
+            and other.metric == run.metric
             and rest(other) == rest(run) and other.mesh.dp > run.mesh.dp
             and dataclasses.replace(other.mesh, dp=run.mesh.dp) == run.mesh and batch(other) <= batch(run)]
 

@@ -75,8 +75,10 @@ def borrowers(model: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module,
     """(module, index of the unit that holds its weights) for each of ``model``'s children that is no unit but
     runs with another's weights (a tied head): stage 3 gathers that unit around its forward too."""
     owner = {id(p): index for index, unit in enumerate(units) for p in unit.parameters()}
+    unit_ids = {id(unit) for unit in units}
     return [(module, owner[id(next(module.parameters()))]) for module in _children(model)
-            if not any(module is unit for unit in units) and all(id(p) in owner for p in module.parameters())]
+            if not any(id(inner) in unit_ids for inner in module.modules())      # a unit, or holds one (a chunk)
+            and all(id(p) in owner for p in module.parameters())]
 
 
 def padded_num_params(model: nn.Module, world_size: int, units: list[nn.Module] | None = None) -> int:

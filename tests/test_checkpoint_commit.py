@@ -174,6 +174,29 @@ def test_a_failed_functions_asynchronous_save_lets_go_of_its_group_once_done(tmp
         assert (tmp_path / "failed" / "ckpt").exists()                               # and rank 0 committed it
 
 
+def save_while_a_peer_dies(rank, world_size, *, root: str):
+    trainer = Trainer(rank, world_size, LAYOUTS["dp2 zero1"])
+    trainer.step()
+    trainer.save(os.path.join(root, "ckpt"), asynchronous=True)
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)                                  # dies while its save writes
+    raise ValueError("rank 0 fails too")
+
+
+def test_an_abandoned_save_whose_group_the_rebuilt_world_destroyed_closes_quietly(tmp_path):
+    """The survivors' rebuild destroys every process group, the abandoned save's too: closing it then must not
+    kill rank 0 (it did, and the world restarted every rank, their variables lost)."""
+    from course_lib.runtime.world import World
+
+    with World(2) as world:
+        first = world.run(lambda rank, world_size: os.getpid())
+        with pytest.raises(RankError, match="rank 1: the process died .exit code 3."):
+            world.run(save_while_a_peer_dies, root=str(tmp_path))
+        after = world.run(lambda rank, world_size: os.getpid())
+        assert after[0] == first[0] and after[1] != first[1] and world.generation == 1
+
+
 def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it(saved, tmp_path):
     """A shard cut short (its checksum rewritten to match, so only DCP's reader can tell): one line naming the
     folder, the rank and the cause, not DCP's ~70 lines of every rank's traceback."""

@@ -543,8 +543,9 @@ def test_bad_input_is_refused():
 
 def test_fp32_runs_at_the_fp32_peak_and_mfu_says_how_little_of_the_card_it_uses():
     """fp32 matmuls run on the CUDA cores (PyTorch leaves TF32 off): a compute-bound GEMM takes peak / fp32 peak
-    longer, 16x on an A100 (312 / 19.5), 14.8x on an H100 (989 / 67); MFU stays against the 16-bit peak. A GPU
-    without an fp32 figure (this machine, measured in fp32) runs fp32 at its own rates."""
+    longer, 16x on an A100 (312 / 19.5), 14.8x on an H100 (989 / 67); MFU stays against the 16-bit peak. A GPU of
+    your own without an fp32 figure is refused an fp32 job (this machine, measured in fp32, runs it at its own
+    rates: tests/test_calibration.py)."""
     seven = preset("llama2-7b")
     for card, ratio in (("A100 80GB", 312 / 19.5), ("H100 SXM", 989 / 67)):
         steps = {dtype: step_time(Job(seven, Mesh(dp=8), zero_stage=3, seq_len=4096, dtype=dtype, gpu=card))
@@ -557,6 +558,8 @@ def test_fp32_runs_at_the_fp32_peak_and_mfu_says_how_little_of_the_card_it_uses(
         assert steps["fp32"].achieved_share < 1 / ratio
     own = dataclasses.replace(GPUS["A100 80GB"], name="Lab GPU", fp32_flops=0.0)
     assert own.for_dtype("fp32") is own and GPUS["A100 80GB"].for_dtype("bf16") is GPUS["A100 80GB"]
+    with pytest.raises(ValueError, match="dtype='fp32' on Lab GPU, which has no fp32_flops: give its FP32 peak"):
+        step_time(Job(seven, Mesh(dp=8), seq_len=4096, dtype="fp32", gpu=own))
 
 
 def test_a_costed_jobs_cluster_schedule_and_dtype_are_checked():

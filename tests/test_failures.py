@@ -70,8 +70,8 @@ def test_a_hung_collective_ends_with_the_groups_timeout_and_the_missing_rank_nam
 @pytest.mark.parametrize("bad, message", [
     (dict(missing_rank=2), r"missing_rank=2 is not a rank of this world: its ranks are 0..1"),
     (dict(missing_rank=-1), r"missing_rank=-1 must be a whole number >= 0"),
-    (dict(missing_rank=1, timeout_s=0), r"timeout_s=0 must be a finite number > 0 and < 60"),
-    (dict(missing_rank=1, timeout_s=600), r"timeout_s=600 must be a finite number > 0 and < 60")])
+    (dict(missing_rank=1, timeout_s=0), r"timeout_s=0 must be a finite number > 0"),
+    (dict(missing_rank=1, timeout_s=math.nan), r"timeout_s=nan must be a finite number > 0")])
 def test_a_hung_collective_refuses_a_rank_or_timeout_it_cannot_show(bad, message):
     with pytest.raises(RankError, match=message):
         launch(hung_collective, 2, **bad)

@@ -656,6 +656,9 @@ def test_megatron_scripts_as_they_are_written(tmp_path):
     other.write_text(script.read_text().replace("pretrain_gpt.py", "pretrain_bert.py"))
     with pytest.raises(ConfigError, match="pretrain_bert.py: the course reads GPT training"):
         read_config(other)
+    echoed = tmp_path / "echoed.sh"     # an echo's text is no flag; a single-quoted value stays as written
+    echoed.write_text("MSG='${NOTHING:-x}'\necho \"rerun with --tensor-model-parallel-size 4\"\n" + script.read_text())
+    assert read_config(echoed).job.mesh.tp == 8
     unknown = tmp_path / "tokens.sh"
     unknown.write_text(script.read_text().replace("Llama2Tokenizer", "HuggingFaceTokenizer"))
     with pytest.raises(ConfigError, match="--tokenizer-type HuggingFaceTokenizer without --vocab-size"):
@@ -690,7 +693,11 @@ def test_torchtitan_fp8_options_count_only_when_converted_and_old_places_are_ref
     ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop: layers skipped"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, None),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, None),      # ZeRO-3 only
-    ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 100}}, None)])
+    ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 100}}, None),
+    ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+     "compression_training"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}}}}, None)])
 def test_deepspeed_keys_that_change_the_run_are_named_and_real_ones_are_no_typos(tmp_path, extra, said):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({**json.loads((EXAMPLES / "zero3_llama2_7b.json").read_text()), **extra}))

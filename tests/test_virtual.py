@@ -108,6 +108,11 @@ def test_tied_embeddings_equal_the_formulas(zero_stage):
         sum(gathers.values()) + m * 3 / 4 * table)                       # one more gather of the table a micro-batch
     assert run["state_bytes"] == run["formulas"]["state_bytes"]
     assert run["activation_bytes_peak"] == run["formulas"]["activation_bytes_peak"]
+    # the extra gather on the dense part's group only: a mixture's experts, HSDP's shard group (a review found both)
+    for config, mesh in ((preset("tiny", num_experts=4, top_k=2, tie_embeddings=True), Mesh(dp=4)),
+                         (tied, Mesh(dp=4, dp_replicate=2))):
+        described = job(config, mesh, seq_len=16, num_microbatches=m, zero_stage=3, dtype="fp32")
+        assert run_rank(described, 0)["sent_bytes"]["dp"] == sent_bytes_per_rank(described, 0)["dp"]
 
 
 def test_one_rank_of_a_4096_rank_world():

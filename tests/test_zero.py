@@ -257,6 +257,8 @@ def test_default_units_of_the_course_model():
     names = {id(m): name for name, m in tied.named_modules()}
     assert [names[id(m)] for m in default_units(tied)] == UNIT_NAMES[:-1]
     assert [(names[id(m)], owner) for m, owner in borrowers(tied, default_units(tied))] == [("head", 0)]
+    chunks = torch.nn.ModuleList([build(TINY), build(TINY)])       # an interleaved stage: chunks hold units
+    assert borrowers(chunks, [unit for chunk in chunks for unit in default_units(chunk)]) == []
 
 
 def tied_runs(rank, world_size):

@@ -67,18 +67,19 @@ def whole(name: str, value, low: int = 1) -> int:
 def arguments(text: str) -> list[str]:
     """A shell script's tokens: continuation lines joined, comments dropped, ``NAME=value`` variables substituted
     (once each, in the order written: a variable defined from another takes its value so far), and a token holding
-    several flags (``GPT_ARGS="--num-layers 24 ..."``, an array's ``"--vocab-size 128256"``) split again, without
-    its ``NAME=``, so that each flag is read where it is written."""
+    several flags (``GPT_ARGS="--num-layers 24 ..."``, an array's ``"--vocab-size 128256"``: it starts with a flag)
+    split again, without its ``NAME=``, so that each flag is read where it is written. A quoted text that only
+    holds a flag (an ``echo``'s, a ``--data-path`` list) stays one token."""
     text = text.replace("\\\n", " ")
     variables: dict[str, str] = {}
     assignment = r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(?:\"([^\"\n]*)\"|'([^'\n]*)'|([^\s()\"']+))\s*$"
-    for name, *quoted in re.findall(assignment, text, flags=re.M):   # a value on one line, quoted or bare
-        variables[name] = _substitute("".join(quoted), variables)
+    for name, double, single, bare in re.findall(assignment, text, flags=re.M):   # one line, quoted or bare
+        variables[name] = single or _substitute(double + bare, variables)    # bash keeps '...' as written
     try:
         tokens = shlex.split(_substitute(text, variables), comments=True)
         return [part for token in tokens for part in (
             shlex.split(re.sub(r"^[A-Za-z_]\w*=", "", token), comments=True)
-            if re.search(r"(^|\s)--\w", token) and re.search(r"\s", token) else [token])]
+            if re.match(r"([A-Za-z_]\w*=)?--\w", token) and re.search(r"\s", token) else [token])]
     except ValueError as error:
         raise ConfigError(f"not a shell argument list ({error})") from None
 

@@ -71,7 +71,7 @@ NOT_MODELLED = {
     "compression_training": "quantization and pruning while training: counted in the config's precision, unpruned",
     "data_efficiency": "curriculum learning and token dropping (random-LTD): timed at the full sequence",
     "compile": "DeepSpeed's torch.compile of the model: timed as the eager run it reads",
-    "zenflow": "ZenFlow's optimizer offload: counted on the GPU, an upper bound",
+    "zero_optimization.zenflow": "ZenFlow's optimizer offload: counted on the GPU, an upper bound",
 }
 ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}     # optimizer.type values that compress the reduction
 
@@ -120,10 +120,13 @@ def _enabled(ds: dict, *keys: str) -> bool:
 
 def _switched_on(name: str, value) -> bool:
     """A not-modelled key set away from its default (offload to a device, ZeRO++'s partitions, MiCS's shards, a
-    section enabled)."""
+    section enabled: its own "enabled", or one of its parts', as compression_training's; ZenFlow's by being there)."""
     defaults = {"zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.mics_shard_size": -1}
-    if isinstance(value, dict):              # a section: its "enabled", or an offload's device
-        return bool(value["enabled"]) if "enabled" in value else value.get("device", "none") != "none"
+    if isinstance(value, dict):
+        if name == "zero_optimization.zenflow" or "enabled" in value:
+            return name == "zero_optimization.zenflow" or bool(value["enabled"])
+        return value.get("device", "none") != "none" or any(
+            _switched_on(name, part) for part in value.values() if isinstance(part, dict))
     return bool(value) and value != defaults.get(name) and value != "none"
 
 

@@ -323,10 +323,11 @@ def _model(args: dict, tp: int, pp: int) -> tuple[ModelConfig, list[str], list[s
     if ffn is None:                  # Megatron's defaults: 4h, and for SwiGLU 2/3 of it, down to a multiple of 64
         ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
     width = ffn if swiglu else round(2 * ffn / 3 / tp) * tp     # a width TP splits, as Megatron splits 4h
+    more = (3 * width - 2 * ffn) * hidden                        # weights a layer the SwiGLU has beyond the GeLU
     conventions = [] if swiglu else [f"GeLU MLP of width {ffn} (2 matrices) counted as SwiGLU of width {width} "
-                                     "(3 matrices): the same FLOPs and weights" + (
-                                         f" but {3 * width - 2 * ffn:+} columns a layer (a width TP {tp} splits)"
-                                         if 3 * width != 2 * ffn else "")]
+                                     "(3 matrices): " + (f"{more:+,} weights and their FLOPs a layer (a width "
+                                                         + (f"TP {tp} splits)" if tp > 1 else "in whole columns)")
+                                                         if more else "the same weights and FLOPs")]
     vocab = args.get("vocab-size")
     tokenizer = args.get("tokenizer-type", "GPT2BPETokenizer")
     if vocab is None and tokenizer not in TOKENIZERS:

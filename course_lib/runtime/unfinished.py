@@ -45,5 +45,5 @@ def abandon() -> None:
 
 def _close_abandoned() -> None:
     for work in [work for work in _ABANDONED if work.done()]:
+        _ABANDONED.remove(work)            # first: a close that fails is not tried again
         work.close()
-        _ABANDONED.remove(work)

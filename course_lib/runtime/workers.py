@@ -173,7 +173,7 @@ class WorkerGroup:
 
     def dead(self) -> list[int]:
         """The ranks whose process has ended (killed by the out-of-memory killer, say)."""
-        return [r for r, proc in enumerate(self.procs) if not proc.is_alive()]
+        return [r for r, alive in enumerate(self.alive()) if not alive]
 
     def exit_description(self, rank: int) -> str:
         """How the process of ``rank`` ended, e.g. "exit code -9, killed by SIGKILL (a kill -9 or the out-of-memory killer)"."""
@@ -229,7 +229,9 @@ class WorkerGroup:
     def __exit__(self, *exc):
         """close(), then let go of every process handle and pipe at once: the group ends here (launch's, or one
         that never formed). Left to the garbage collector, a failed launch's traceback kept 2 pipes per rank and
-        one more open until it ran (5 for 2 ranks, measured)."""
+        one more open until it ran (5 for 2 ranks, measured). Safe to call twice."""
+        if self._released:
+            return
         self.close()
         for proc in self.procs:
             if proc is not None and proc.exitcode is not None:
@@ -238,7 +240,7 @@ class WorkerGroup:
         self._released = True
 
     def alive(self) -> list[bool]:
-        return [p.is_alive() for p in self.procs]
+        return [False] * self.world_size if self._released else [p.is_alive() for p in self.procs]
 
     def run(self, fn: Callable, kwargs: dict | None = None, *, timeout: float = DEFAULT_TIMEOUT,
             ranks: list[int] | None = None) -> list:
