@@ -53,8 +53,9 @@ STAGES = ZERO_STAGES
 
 def _children(model: nn.Module) -> list[nn.Module]:
     """Each child of ``model`` that has parameters, each entry of a ModuleList on its own."""
-    return [module for child in model.children() for module in (child if isinstance(child, nn.ModuleList)
-                                                                 else [child]) if any(True for _ in module.parameters())]
+    modules = [module for child in model.children()
+               for module in (child if isinstance(child, nn.ModuleList) else [child])]
+    return [module for module in modules if any(True for _ in module.parameters())]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
