@@ -16,9 +16,9 @@ Megatron's conventions, and how the course counts them:
   fp32 copy of the gradients lives in the optimizer's shard and the course's "fp32 grad accumulation" keeps it
   whole (said in the report).
 * Without ``--swiglu`` the MLP is GeLU with two matrices of width F (default 4h): counted as the course's
-  SwiGLU of width 2F/3 (to the nearest multiple of tp), the same weights and FLOPs. LayerNorm, linear biases and
-  learned positions (Megatron's defaults) are parameters the course model does not have: counted, in the report,
-  as what is left out.
+  SwiGLU of width 2F/3 rounded to a multiple of tp, the same weights and FLOPs to a few columns (the report says
+  how many). LayerNorm, linear biases and learned positions (Megatron's defaults) are parameters the course model
+  does not have: counted, in the report, as what is left out.
 * The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp, as Megatron pads it.
 * ``--overlap-grad-reduce`` reduces the gradients bucket by bucket during backward: half of it hidden (dp_overlap
   0.5, as DDP's buckets). ``--overlap-param-gather`` (with it, and the distributed optimizer: Megatron asserts
