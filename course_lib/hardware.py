@@ -14,9 +14,9 @@ step with these. The links are priced at their rated speed: across nodes nccl-te
 
 "Dense" means without 2:4 structured sparsity: NVIDIA's headline Tensor Core figures are often the sparse
 ones, twice these. A job in fp32 runs on the CUDA cores instead (GPU.for_dtype: TF32 is off by default): 19.5
-TFLOP/s on an A100, 67 on an H100 or H200. NVLink is quoted by NVIDIA as the total of both directions (600 and 900 GB/s); one GPU
-sends at half of it. A network card's rate is in bits: 400 Gb/s = 50 GB/s each way. One card per GPU is the
-DGX layout (8 GPUs, 8 compute NICs per node), and Llama 3's cluster's (400 Gb/s per GPU).
+TFLOP/s on an A100, 67 on an H100 or H200. NVLink is quoted by NVIDIA as the total of both directions (600 and
+900 GB/s); one GPU sends at half of it. A network card's rate is in bits: 400 Gb/s = 50 GB/s each way. One card
+per GPU is the DGX layout (8 GPUs, 8 compute NICs per node), and Llama 3's cluster's (400 Gb/s per GPU).
 
 Latency is not on any spec sheet. A collective's comes from NCCL's own model of its rings (ring_latency: a
 base, then a hop per step of the ring, so it grows with the group). A point-to-point send's (a Link's alpha_s)

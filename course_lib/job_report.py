@@ -222,8 +222,9 @@ def bottleneck(memory: dict, time, job: Job) -> str:
     share = parts[largest] / time.total_s
     if share < OVERHEAD_SHARE:
         card = find_gpu(job.gpu)
-        fp32 = (f", in fp32 on the CUDA cores' {card.for_dtype('fp32').peak_flops / 1e12:.3g} TFLOP/s where 16 bits "
-                f"run on the Tensor Cores' {card.peak_flops / 1e12:.3g}" if card.for_dtype(job.dtype) is not card else "")
+        kernels = card.for_dtype(job.dtype)
+        fp32 = (f", in fp32 on the CUDA cores' {kernels.peak_flops / 1e12:.3g} TFLOP/s where 16 bits run on the "
+                f"Tensor Cores' {card.peak_flops / 1e12:.3g}" if kernels is not card else "")
         return (f"compute: {time.compute_s / time.total_s:.0%} of the step is arithmetic{fp32}; nothing else takes "
                 f"{OVERHEAD_SHARE:.0%}")
     why = {"bubble": f"pp {job.mesh.pp} over {job.num_microbatches} micro-batches of v = {job.num_chunks}",

@@ -179,6 +179,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
         job.reshard_after_backward)
     for index, (count, group, replicas) in enumerate(data_parallel_parts(config, mesh, stage, num_chunks,
                                                                           vocab_parallel)):
+        extra = accumulation_steps * wire_bytes("all_gather", table, group) if tied and index == 0 else 0
         if replicas > 1:
             if zero_stage != 3:
                 raise ValueError(f"dp_replicate {replicas} with zero_stage={zero_stage}: hybrid sharding is ZeRO-3 "
@@ -187,7 +188,7 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
             ops["all_gather"] = hsdp_wire_bytes_per_step(count * job.bytes_per_element, group, replicas,
                                                          accumulation_steps)["all_gather"]      # the weights
             across = ops.pop("all_reduce")
-            ops["all_gather"] += accumulation_steps * wire_bytes("all_gather", table, group) if tied else 0
+            ops["all_gather"] += extra
             traffic += [{"group": "dp_shard_cp", "size": group, "span": replica_span, "ops": ops},
                         {"group": "dp_replicate", "size": replicas, "span": mesh.dp * mesh.cp * mesh.tp,
                          "ops": {"all_reduce": across}}]
@@ -198,8 +199,8 @@ def data_parallel_traffic(job: Job, stage: int) -> list[dict]:
             gather = wire_bytes_per_step(count * job.bytes_per_element, zero_stage, group, accumulation_steps,
                                          *resharding)
             ops = {op: (gather if op == "all_gather" else reduce)[op] for op in reduce}
-            if tied and index == 0:
-                ops["all_gather"] += accumulation_steps * wire_bytes("all_gather", table, group)
+            if extra:                                       # ZeRO-3 only: other stages have no gathers to add to
+                ops["all_gather"] += extra
             traffic.append({"group": name, "size": group, "span": mesh.dp * mesh.cp * mesh.tp, "ops": ops})
     return traffic
 

@@ -105,8 +105,9 @@ def _parallel_model(impl: str, module, comm: Comm, world_size: int, zero_stage: 
     if impl == "fully_shard":
         mesh = init_device_mesh(device().type, (world_size,))
         units = default_units(module)
+        borrowed = borrowers(module, units)
         for index, unit in enumerate(units):     # a tied head in its embedding's group, as FSDP2 asks
-            group = [unit] + [borrower for borrower, owner in borrowers(module, units) if owner == index]
+            group = [unit] + [borrower for borrower, owner in borrowed if owner == index]
             fully_shard(group if len(group) > 1 else unit, mesh=mesh,
                         reshard_after_forward=resharding["reshard_after_forward"])
         fully_shard(module, mesh=mesh)
